@@ -1,0 +1,109 @@
+"""From a validated config to a running `TieredStore`: open, probe, index, clean.
+
+Start-up is where misconfiguration is cheapest to explain. Each tier is opened
+and probed (write, read back, delete a small object through the real object
+format); a tier that fails is skipped with one log line that says why, and
+the cache runs on the tiers that work. With no working tier the store is
+empty and every lookup is a miss: the engine still serves.
+"""
+
+from __future__ import annotations
+
+import os
+
+from kvharbor.cache.breaker import BreakerSettings, CircuitBreaker
+from kvharbor.cache.format import HEADER_BYTES, Codec, CorruptObject, decode, encode
+from kvharbor.cache.index import MemoryIndex, TierIndex
+from kvharbor.cache.keys import ChunkKey, LayoutFingerprint
+from kvharbor.cache.store import TieredStore
+from kvharbor.cache.tier import Tier
+from kvharbor.config import MIB, Config, TierSection
+from kvharbor.hal.base import Device, DeviceError, PersistentDevice
+from kvharbor.hal.registry import open_device
+from kvharbor.telemetry.log import get_logger
+
+_log = get_logger("kvharbor.cache.assembly")
+
+PROBE_BYTES = 4096
+_PROBE_FINGERPRINT = LayoutFingerprint(model_id="kvharbor-startup-probe", chunk_size=1).digest()
+
+
+class ProbeFailed(Exception):
+    pass
+
+
+def probe_device(device: Device, codec: Codec) -> None:
+    """Write, read back and delete one object; raise `ProbeFailed` saying which step broke."""
+    key = ChunkKey(os.urandom(16))
+    payload = os.urandom(PROBE_BYTES)
+    step = "write"
+    try:
+        for part in encode(key, _PROBE_FINGERPRINT, payload, codec, device.max_value_bytes):
+            device.put(part.device_key, [part.header, part.payload])
+        step = "read back"
+
+        def read(device_key: ChunkKey) -> memoryview | None:
+            buffer = memoryview(bytearray(PROBE_BYTES * 2 + HEADER_BYTES))
+            got = device.get(device_key, buffer)
+            return None if got is None else buffer[:got]
+
+        value = decode(key, _PROBE_FINGERPRINT, read)
+        if value is None or bytes(value) != payload:
+            raise ProbeFailed("read back: the probe object came back different or not at all")
+        step = "delete"
+        if not device.delete(key):
+            raise ProbeFailed("delete: the probe object was not there to delete")
+    except (DeviceError, CorruptObject, OSError) as err:
+        raise ProbeFailed(f"{step}: {err}") from None
+
+
+def open_index(device: Device, tier_name: str) -> TierIndex:
+    if isinstance(device, PersistentDevice):
+        from kvharbor.cache.manifest import open_manifest
+
+        return open_manifest(device, tier_name)
+    return MemoryIndex()
+
+
+def open_tier(section: TierSection, config: Config) -> Tier:
+    """Open one configured tier; raises ValueError, DeviceError or ProbeFailed."""
+    storage = config.storage
+    max_value_bytes = config.card.fragment_bytes if section.type == "nvme" else storage.value_mb_max * MIB
+    device = open_device(section, max_value_bytes + HEADER_BYTES)
+    codec = Codec.from_name(section.codec)
+    try:
+        if storage.probe:
+            probe_device(device, codec)
+        index = open_index(device, section.name)
+    except BaseException:
+        device.close()
+        raise
+    cb = storage.backpressure.circuit_breaker
+    breaker = CircuitBreaker(BreakerSettings(cb.failure_ratio, cb.window, cb.cooldown_s))
+    return Tier(section.name, device, index, section.capacity_bytes, breaker, codec, section.type)
+
+
+def open_store(config: Config, start_clean: bool = False) -> TieredStore:
+    tiers: list[Tier] = []
+    for section in config.storage.tiers:
+        try:
+            tier = open_tier(section, config)
+        except ProbeFailed as err:
+            _log.warning("kvharbor: tier %s failed its startup probe (%s); skipping", section.name, err)
+            continue
+        except (ValueError, DeviceError, OSError) as err:
+            _log.warning("kvharbor: tier %s unavailable: %s; skipping", section.name, err)
+            continue
+        if start_clean:
+            removed = tier.clear()
+            _log.info("kvharbor: tier %s emptied at start (--start-clean=1): %d objects removed", tier.name, removed)
+        tiers.append(tier)
+    if not tiers:
+        _log.error("kvharbor: no usable storage tier; every lookup is a miss until the tiers are fixed")
+    else:
+        _log.info(
+            "kvharbor: storage ready: %s (%s)",
+            ", ".join(f"{t.name}[{t.device_type}, {t.capacity_bytes / 2**30:g} GiB]" for t in tiers),
+            config.storage.write_policy,
+        )
+    return TieredStore(tiers, config.storage.write_policy)

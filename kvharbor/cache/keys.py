@@ -1,0 +1,216 @@
+"""Chunk keys: what names a stored chunk of KV cache.
+
+A key must be *stable by construction*: the same tokens, layout and salt give
+the same key in any process, on any host, under any PYTHONHASHSEED, Python or
+engine version; a different layout or salt never shares a key. So keys are
+computed here from explicit bytes only — never from ``hash()`` and never from
+an engine's own block hashes, which change between engine releases.
+
+Why BLAKE2b-128: it is in the standard library (no dependency, the same bytes
+everywhere), it is a cryptographic hash, so two tenants cannot craft prompts
+whose keys collide (a collision would serve one tenant's KV to another, i.e. a
+wrong byte), and it runs at ~1 GB/s on one core, i.e. >200 M tokens/s of uint32
+token ids. 128 bits leave a birthday bound near 2**64 keys: far beyond any
+cache. Non-cryptographic 128-bit hashes (xxh3-128) are faster but offer no
+resistance to crafted collisions.
+"""
+
+from __future__ import annotations
+
+import array
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from hashlib import blake2b
+from typing import NewType
+
+KEY_BYTES = 16
+"""Every key — chunk keys, fragment keys, fingerprint digests — is 16 bytes."""
+
+FORMAT_VERSION = 1
+"""Version of the stored object format (header layout, checksum, fragmenting).
+
+Part of every fingerprint: a release that changes how bytes are stored gets
+new keys, so it can never read an object written in the old format.
+"""
+
+FINGERPRINT_ENCODING_VERSION = 1
+"""Version of the canonical fingerprint encoding below."""
+
+ChunkKey = NewType("ChunkKey", bytes)
+"""16 bytes naming one full chunk of one layout; see `chunk_keys`."""
+
+_ROOT_PARENT = bytes(KEY_BYTES)
+# Personalisations separate the hash domains: a chunk key can never equal a
+# fingerprint digest or a fragment key, whatever the input bytes.
+_PERSON_CHUNK = b"kvharbor.chunk1"
+_PERSON_LAYOUT = b"kvharbor.layout1"
+_PERSON_FRAGMENT = b"kvharbor.frag1"
+
+TOKEN_ID_MAX = 2**32 - 1
+"""Token ids are hashed as little-endian uint32; larger ids are refused."""
+
+
+def key_hex(key: bytes) -> str:
+    """The 32-character lower-case hex form used in logs, file names and the CLI."""
+    return key.hex()
+
+
+def key_from_hex(text: str) -> ChunkKey:
+    """Parse `key_hex` output; raises ValueError naming the bad input."""
+    try:
+        raw = bytes.fromhex(text)
+    except ValueError:
+        raise ValueError(f"not a hex key: {text!r}") from None
+    check_key(raw)
+    return ChunkKey(raw)
+
+
+def check_key(key: bytes) -> None:
+    """Raise ValueError unless ``key`` is exactly `KEY_BYTES` bytes."""
+    if not isinstance(key, (bytes, bytearray)) or len(key) != KEY_BYTES:
+        size = len(key) if isinstance(key, (bytes, bytearray)) else type(key).__name__
+        raise ValueError(f"a key is {KEY_BYTES} bytes, got {size}")
+
+
+def fragment_key(key: bytes, index: int) -> ChunkKey:
+    """The key under which fragment ``index`` (>= 1) of ``key``'s value is stored.
+
+    Fragment 0 lives under the key itself so that `lookup` needs one probe per
+    chunk whatever the fragment count.
+    """
+    assert index >= 1, index
+    check_key(key)
+    digest = blake2b(
+        key + index.to_bytes(4, "little"), digest_size=KEY_BYTES, person=_PERSON_FRAGMENT
+    ).digest()
+    return ChunkKey(digest)
+
+
+@dataclass(frozen=True, slots=True)
+class LayoutFingerprint:
+    """Everything that changes the bytes of a stored chunk.
+
+    Two processes share a cache entry only if every field is equal. Adding a
+    field is safe (it changes every digest: the cache refills, nothing wrong is
+    read); dropping one is not, so fields are only ever added.
+    """
+
+    model_id: str
+    chunk_size: int
+    kv_dtype: str = "auto"
+    model_revision: str = ""
+    """A revision, commit or weights digest; empty when unknown."""
+    kv_shapes: tuple[str, ...] = ()
+    """One descriptor per registered KV tensor, e.g. ``"L0:2x128x256:float32"``."""
+    tp_size: int = 1
+    tp_rank: int = 0
+    pp_rank: int = 0
+    key_namespace: str = "default"
+    fragment_bytes: int = 0
+    """The device fragment size in bytes; 0 when values are never split."""
+    format_version: int = FORMAT_VERSION
+    extra: tuple[tuple[str, str], ...] = field(default=())
+    """Engine-specific fields (e.g. block size) as sorted (name, value) pairs."""
+
+    def __post_init__(self) -> None:
+        if self.chunk_size <= 0:
+            raise ValueError(f"chunk_size must be a positive number of tokens, got {self.chunk_size}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank {self.tp_rank} is outside tp_size {self.tp_size}")
+        if self.pp_rank < 0 or self.fragment_bytes < 0:
+            raise ValueError("pp_rank and fragment_bytes must be >= 0")
+
+    def canonical(self) -> bytes:
+        """The canonical, versioned encoding that `digest` hashes.
+
+        Sorted-key compact JSON of plain strings and integers: identical bytes on
+        every platform and Python version.
+        """
+        fields = asdict(self)
+        fields["kv_shapes"] = list(self.kv_shapes)
+        fields["extra"] = [list(pair) for pair in sorted(self.extra)]
+        document = {"encoding": FINGERPRINT_ENCODING_VERSION, "layout": fields}
+        return json.dumps(document, sort_keys=True, separators=(",", ":")).encode()
+
+    def digest(self) -> bytes:
+        """16 bytes that stand for the whole layout inside every key."""
+        return blake2b(self.canonical(), digest_size=KEY_BYTES, person=_PERSON_LAYOUT).digest()
+
+    def short(self) -> str:
+        """A one-line form for logs and status: readable parts plus the digest."""
+        return (
+            f"{self.model_id} dtype={self.kv_dtype} tp={self.tp_rank}/{self.tp_size} "
+            f"pp={self.pp_rank} chunk={self.chunk_size} ns={self.key_namespace} "
+            f"#{self.digest().hex()[:12]}"
+        )
+
+
+def _salt_bytes(salt: str | None) -> bytes:
+    # Length-prefixed so that no salt, an empty salt and a salt that happens to
+    # look like token bytes are all distinct inputs.
+    if salt is None:
+        return b"\x00"
+    if not isinstance(salt, str):
+        raise TypeError(f"cache_salt must be a string, got {type(salt).__name__}")
+    raw = salt.encode("utf-8")
+    return b"\x01" + len(raw).to_bytes(4, "little") + raw
+
+
+def token_bytes(token_ids: Sequence[int]) -> memoryview:
+    """Token ids as little-endian uint32 bytes, the form every key hashes."""
+    try:
+        packed = array.array("I", token_ids)
+    except OverflowError:
+        bad = next(t for t in token_ids if not 0 <= t <= TOKEN_ID_MAX)
+        raise ValueError(f"token id {bad} is outside 0..{TOKEN_ID_MAX}") from None
+    assert packed.itemsize == 4, "array('I') is 4 bytes on every supported platform"
+    if sys.byteorder == "big":
+        packed.byteswap()  # Big-endian hosts hash the same bytes as little-endian ones.
+    return memoryview(packed).cast("B")
+
+
+def chunk_keys(
+    fingerprint_digest: bytes,
+    chunk_size: int,
+    token_ids: Sequence[int],
+    salt: str | None = None,
+    parent: bytes = _ROOT_PARENT,
+) -> list[ChunkKey]:
+    """Prefix-chained keys, one per *full* chunk of ``token_ids``.
+
+    key_i = BLAKE2b-128(fingerprint digest || key_{i-1} || [salt, i = 0] || tokens_i)
+
+    Chaining makes key i stand for the whole prefix up to chunk i, so a lookup
+    can stop at the first miss. A trailing partial chunk gets no key: its KV
+    would change once more tokens arrive. ``parent`` continues a chain from a
+    known key (the salt then enters no more).
+    """
+    check_key(fingerprint_digest)
+    check_key(parent)
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    full = len(token_ids) // chunk_size
+    data = token_bytes(token_ids[: full * chunk_size])
+    stride = chunk_size * 4
+    keys: list[ChunkKey] = []
+    previous = parent
+    salted = parent == _ROOT_PARENT
+    for i in range(full):
+        h = blake2b(fingerprint_digest, digest_size=KEY_BYTES, person=_PERSON_CHUNK)
+        h.update(previous)
+        if salted and i == 0:
+            h.update(_salt_bytes(salt))
+        h.update(data[i * stride : (i + 1) * stride])
+        previous = h.digest()
+        keys.append(ChunkKey(previous))
+    if salt is not None and full == 0:
+        _salt_bytes(salt)  # Type-check the salt even when there is nothing to key.
+    return keys
+
+
+def max_hit_tokens(num_tokens: int, chunk_size: int) -> int:
+    """The most tokens a prompt of ``num_tokens`` can hit: floor(n / c) * c."""
+    assert chunk_size > 0
+    return (max(num_tokens, 0) // chunk_size) * chunk_size

@@ -1,0 +1,140 @@
+"""The tiered store: ordered tiers searched top-down, one verified object format.
+
+Contracts:
+
+- `lookup` answers how many *leading* keys are stored somewhere, in one
+  batched index query per tier. Keys are prefix-chained, so the first miss ends
+  the usable prefix.
+- `get` searches tiers top-down and promotes a hit into the tiers above it.
+- `put` writes the first tier, and then either every lower tier now
+  (write-through) or each lower tier when the one above evicts (write-back).
+- Nothing here raises for a storage fault: a fault is a miss, counted and
+  logged once by the tier; a corrupt object is a miss and is dropped.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvharbor.cache.accounting import HitAccounting
+from kvharbor.cache.index import Entry
+from kvharbor.cache.tier import Tier, TierStatus
+from kvharbor.hal.base import Buffer
+
+WritePolicy = Literal["write_through", "write_back"]
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStatus:
+    tiers: list[TierStatus]
+    write_policy: str
+    hits: dict[str, int] = field(default_factory=dict)
+
+
+class TieredStore:
+    def __init__(self, tiers: Sequence[Tier], write_policy: WritePolicy = "write_through") -> None:
+        names = [t.name for t in tiers]
+        assert len(set(names)) == len(names), names
+        self.tiers = list(tiers)
+        self.write_policy = write_policy
+        self.accounting = HitAccounting()
+        self._closed = False
+        self._close_lock = threading.Lock()
+
+    # -- queries -----------------------------------------------------------
+
+    def lookup(self, keys: Sequence[bytes], chunk_tokens: int = 0) -> int:
+        """How many leading ``keys`` some tier holds.
+
+        ``chunk_tokens`` (tokens per key) only feeds hit accounting in tokens.
+        """
+        if not keys:
+            return 0
+        present = [False] * len(keys)
+        remaining = len(keys)
+        for tier in self.tiers:
+            for i, here in enumerate(tier.contains(keys)):
+                if here and not present[i]:
+                    present[i] = True
+                    remaining -= 1
+            if remaining == 0:
+                break
+        hit = next((i for i, p in enumerate(present) if not p), len(keys))
+        assert 0 <= hit <= len(keys)
+        self.accounting.record(len(keys) * chunk_tokens, hit * chunk_tokens)
+        return hit
+
+    def get(self, key: bytes, fingerprint: bytes, into: memoryview | None = None) -> memoryview | None:
+        """The verified value, or None; a hit below the first tier is promoted."""
+        for depth, tier in enumerate(self.tiers):
+            value = tier.read(key, fingerprint, into)
+            if value is None:
+                continue
+            for upper in reversed(self.tiers[:depth]):
+                self._write_tier(upper, key, fingerprint, value)
+            return value
+        return None
+
+    # -- updates -----------------------------------------------------------
+
+    def put(self, key: bytes, fingerprint: bytes, value: Buffer, pinned: frozenset[bytes] = frozenset()) -> bool:
+        """Store ``value`` under ``key``; True if at least one tier took it.
+
+        ``pinned`` keys are not evicted to make room (the caller's own chunks).
+        """
+        targets = self.tiers if self.write_policy == "write_through" else self.tiers[:1]
+        stored = False
+        for tier in targets:
+            stored |= self._write_tier(tier, key, fingerprint, value, pinned)
+        return stored
+
+    def delete(self, keys: Sequence[bytes]) -> None:
+        for tier in self.tiers:
+            tier.delete(keys)
+
+    def clear(self) -> int:
+        """Empty every tier (``--start-clean=1``); returns the objects removed."""
+        return sum(tier.clear() for tier in self.tiers)
+
+    def status(self) -> StoreStatus:
+        return StoreStatus(
+            tiers=[t.status() for t in self.tiers],
+            write_policy=self.write_policy,
+            hits=self.accounting.snapshot(),
+        )
+
+    def close(self) -> None:
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        for tier in self.tiers:
+            tier.close()
+
+    # -- internals ---------------------------------------------------------
+
+    def _write_tier(
+        self, tier: Tier, key: bytes, fingerprint: bytes, value: Buffer, pinned: frozenset[bytes] = frozenset()
+    ) -> bool:
+        victims = tier.write(key, fingerprint, value, pinned | {bytes(key)})
+        if victims is None:
+            return False
+        if victims and self.write_policy == "write_back":
+            self._demote(tier, victims)
+        tier.drop(victims)
+        return tier.index.get(key) is not None
+
+    def _demote(self, tier: Tier, victims: Sequence[Entry]) -> None:
+        """Write-back: move what ``tier`` evicts into the tier below it, if any."""
+        position = self.tiers.index(tier)
+        if position + 1 >= len(self.tiers):
+            return
+        below = self.tiers[position + 1]
+        for victim in victims:
+            evicted = tier.read_evicted(victim)
+            if evicted is not None:
+                fingerprint, value = evicted
+                self._write_tier(below, victim.key, fingerprint, value)

@@ -1,0 +1,281 @@
+"""One tier: a device, the index of what it holds, its budget, codec and breaker.
+
+The tier is where the invariants of the object format meet a device: every
+write is encoded with a header and checksums, every read is verified, and a
+read that fails verification is counted, dropped and reported as a miss.
+Device faults are caught here too and fed to the tier's circuit breaker, so
+that nothing above the tier ever sees an exception from storage.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
+
+from kvharbor.cache.breaker import BreakerState, CircuitBreaker
+from kvharbor.cache.format import HEADER_BYTES, Codec, CorruptObject, decode, encode, parse_header
+from kvharbor.cache.index import Entry, OverBudget, TierIndex
+from kvharbor.cache.keys import ChunkKey, fragment_key
+from kvharbor.hal.base import Buffer, Device, DeviceError, DeviceFull
+from kvharbor.telemetry.log import OnceLog, get_logger
+
+_log = get_logger("kvharbor.cache.tier")
+
+
+@dataclass(slots=True)
+class TierCounters:
+    """Monotonic counters; exported as ``kvharbor_tier_*_total{tier=...}``."""
+
+    puts: int = 0
+    put_bytes: int = 0
+    gets: int = 0
+    hits: int = 0
+    hit_bytes: int = 0
+    corrupt: int = 0
+    evictions: int = 0
+    evicted_bytes: int = 0
+    errors: int = 0
+    full: int = 0
+    skipped: int = 0
+    """Operations not attempted because the breaker was open."""
+
+    def snapshot(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True, slots=True)
+class TierStatus:
+    name: str
+    device_type: str
+    codec: str
+    capacity_bytes: int
+    used_bytes: int
+    keys: int
+    health: str
+    health_detail: str
+    breaker: str
+    counters: dict[str, int] = field(default_factory=dict)
+
+
+class Tier:
+    def __init__(
+        self,
+        name: str,
+        device: Device,
+        index: TierIndex,
+        capacity_bytes: int,
+        breaker: CircuitBreaker,
+        codec: Codec = Codec.NONE,
+        device_type: str = "",
+    ) -> None:
+        assert capacity_bytes > 0, capacity_bytes
+        self.name = name
+        self.device = device
+        self.index = index
+        self.capacity_bytes = capacity_bytes
+        self.breaker = breaker
+        self.codec = codec
+        self.device_type = device_type or type(device).__name__
+        self.counters = TierCounters()
+        self._counter_lock = threading.Lock()
+        self._once = OnceLog(_log)
+
+    # -- reads -------------------------------------------------------------
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        """Which keys the index says are here; an open breaker says none."""
+        if self.breaker.state is BreakerState.OPEN:
+            return [False] * len(keys)
+        return self.index.contains(keys)
+
+    def object_bytes(self, raw_length: int) -> int:
+        """Bytes a reader's buffer needs to receive a value of ``raw_length`` unfragmented."""
+        return HEADER_BYTES + raw_length
+
+    def read(self, key: bytes, fingerprint: bytes, into: memoryview | None = None) -> memoryview | None:
+        """The verified value under ``key``, or None (miss, corrupt, fault, breaker open).
+
+        With ``into`` large enough for the whole object (`object_bytes`), an
+        uncompressed single-part value is read straight into it and returned as
+        a view: no copy beyond the device's own.
+        """
+        if not self._allow():
+            return None
+        self._count(gets=1)
+        try:
+            value = decode(key, fingerprint, self._read_part_fn(key, into), into)
+        except CorruptObject as err:
+            self._count(corrupt=1)
+            _log.warning("kvharbor: corrupt chunk %s in tier '%s' (%s) -> treated as miss", key.hex(), self.name, err)
+            self.delete([key])
+            self._ok()  # The device answered; the bytes were bad.
+            return None
+        except DeviceError as err:
+            self._fault("read", err)
+            return None
+        self._ok()
+        if value is None:
+            # The index said present, the device says gone (evicted by another
+            # process, deleted by hand): forget it so lookups stop promising it.
+            self.index.remove([key])
+            return None
+        self.index.touch([key])
+        self._count(hits=1, hit_bytes=value.nbytes)
+        return value
+
+    def read_evicted(self, entry: Entry) -> tuple[bytes, memoryview] | None:
+        """Read an entry the index has already let go, for write-back demotion.
+
+        Its own header names its layout; it is verified like any read, but
+        counted as neither a get nor a hit.
+        """
+        head = memoryview(bytearray(HEADER_BYTES))
+        try:
+            if self.device.peek(entry.key, head) != HEADER_BYTES:
+                return None
+            fingerprint = parse_header(head).fingerprint
+            value = decode(entry.key, fingerprint, self._read_part_fn(entry.key, None))
+        except (CorruptObject, DeviceError):
+            return None
+        return None if value is None else (fingerprint, value)
+
+    # -- writes ------------------------------------------------------------
+
+    def write(
+        self, key: bytes, fingerprint: bytes, value: Buffer, pinned: frozenset[bytes] = frozenset()
+    ) -> list[Entry] | None:
+        """Store ``value``; returns the evicted entries (bytes still on the device,
+        for the caller to demote and then `drop`), or None if not stored."""
+        if not self._allow():
+            return None
+        parts = encode(key, fingerprint, value, self.codec, self.device.max_value_bytes)
+        entry = Entry(bytes(key), sum(p.nbytes for p in parts), len(parts))
+        try:
+            victims = self.index.admit(entry, self.capacity_bytes, pinned)
+        except OverBudget as err:
+            self._once.say(f"overbudget:{self.name}", f"tier '{self.name}': {err}; not stored")
+            return None
+        try:
+            for part in parts:
+                self.device.put(part.device_key, [part.header, part.payload])
+        except DeviceFull as err:
+            self._count(full=1)
+            self._once.say(f"full:{self.name}", f"tier '{self.name}' is full ({err}); new chunks are not stored there")
+            self._forget(entry)
+            self._ok()  # Full is not sick: reads still work.
+            return victims
+        except DeviceError as err:
+            self._forget(entry)
+            self._fault("write", err)
+            return victims
+        self._once.clear(f"full:{self.name}")
+        self._ok()
+        self._count(puts=1, put_bytes=entry.nbytes)
+        return victims
+
+    def drop(self, victims: Sequence[Entry]) -> None:
+        """Delete the bytes of entries the index already let go."""
+        for victim in victims:
+            self._delete_parts(victim.key, victim.parts)
+            self._count(evictions=1, evicted_bytes=victim.nbytes)
+
+    def delete(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            entry = self.index.get(key)
+            self.index.remove([key])
+            self._delete_parts(key, entry.parts if entry else 1)
+
+    def clear(self) -> int:
+        """Delete everything on the device; returns how many objects went."""
+        removed = 0
+        for device_key, _ in list(self.device.scan()):
+            removed += self._quietly(lambda k=device_key: self.device.delete(k))
+        self.index.rebuild([])
+        return removed
+
+    # -- state -------------------------------------------------------------
+
+    def status(self) -> TierStatus:
+        health = self.device.health()
+        return TierStatus(
+            name=self.name,
+            device_type=self.device_type,
+            codec=self.codec.name.lower(),
+            capacity_bytes=self.capacity_bytes,
+            used_bytes=self.index.used_bytes(),
+            keys=self.index.count(),
+            health=health.state.value,
+            health_detail=health.detail,
+            breaker=self.breaker.state.value,
+            counters=self.counters.snapshot(),
+        )
+
+    def close(self) -> None:
+        self.index.close()
+        self.device.close()
+
+    # -- internals ---------------------------------------------------------
+
+    def _read_part_fn(self, key: bytes, into: memoryview | None) -> Callable[[ChunkKey], memoryview | None]:
+        """A reader of one device object; fragment 0 lands in ``into`` when it fits."""
+
+        def read_part(device_key: ChunkKey) -> memoryview | None:
+            size = self.device.size(device_key)
+            if size is None:
+                return None
+            if device_key == key and into is not None and into.nbytes >= size:
+                buffer = into[:size]
+            else:
+                buffer = memoryview(bytearray(size))
+            got = self.device.get(device_key, buffer)
+            return None if got is None else buffer[:got]
+
+        return read_part
+
+    def _allow(self) -> bool:
+        if self.breaker.allow():
+            return True
+        self._count(skipped=1)
+        return False
+
+    def _forget(self, entry: Entry) -> None:
+        self.index.remove([entry.key])
+        self._delete_parts(entry.key, entry.parts)
+
+    def _delete_parts(self, key: bytes, parts: int) -> None:
+        for index in range(parts):
+            device_key = key if index == 0 else fragment_key(key, index)
+            self._quietly(lambda k=device_key: self.device.delete(k))
+
+    def _quietly(self, operation: Callable[[], bool]) -> int:
+        try:
+            return int(operation())
+        except DeviceError as err:
+            self._fault("delete", err)
+            return 0
+
+    def _ok(self) -> None:
+        before = self.breaker.state
+        if self.breaker.record(True) is BreakerState.CLOSED and before is not BreakerState.CLOSED:
+            self._once.clear(f"fault:{self.name}")
+            self._once.clear(f"open:{self.name}", f"tier '{self.name}' answers again; breaker closed")
+
+    def _fault(self, operation: str, err: DeviceError) -> None:
+        self._count(errors=1)
+        state = self.breaker.record(False)
+        self._once.say(f"fault:{self.name}", f"tier '{self.name}' {operation} failed: {err}; treated as a miss")
+        if state is BreakerState.OPEN:
+            self._once.say(
+                f"open:{self.name}",
+                f"tier '{self.name}' circuit breaker open: more than "
+                f"{self.breaker.settings.failure_ratio:.0%} of its operations failed; "
+                f"skipped for {self.breaker.settings.cooldown_s:g} s",
+                logging.ERROR,
+            )
+
+    def _count(self, **deltas: int) -> None:
+        with self._counter_lock:
+            for name, delta in deltas.items():
+                setattr(self.counters, name, getattr(self.counters, name) + delta)

@@ -1,0 +1,194 @@
+"""The device protocol: the one interface every storage access goes through.
+
+A device stores opaque values under 16-byte keys. It knows nothing of tokens,
+models, engines or the object format; the cache layer above it verifies what
+it reads. Drivers: RAM, files (local disk, NFS), S3, NVMe, and the SimPy card.
+
+Contract for every driver:
+
+- ``put`` is atomic: after it returns, ``get`` sees the whole new value; after
+  a crash, it sees the old value, the new one, or a miss — never a mix.
+- ``get`` copies into the caller's buffer and says how many bytes it wrote; a
+  miss is ``None``, never an exception.
+- Errors are typed (`DeviceFull`, `DeviceUnavailable`, `DeviceTransient`,
+  `DeviceCorrupt`) so the cache can tell a full card from a dead one; a driver
+  never lets an ``OSError`` escape untyped.
+- Every call is bounded: a value is at most ``max_value_bytes``.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TypeAlias
+
+Buffer: TypeAlias = bytes | bytearray | memoryview
+"""Anything that exposes contiguous bytes through the buffer protocol."""
+
+
+class DeviceError(Exception):
+    """Base of the typed device errors; ``device`` names the tier or device."""
+
+    def __init__(self, device: str, message: str) -> None:
+        super().__init__(f"{device}: {message}")
+        self.device = device
+
+
+class DeviceFull(DeviceError):
+    """No room for the value, and the device will not evict on its own."""
+
+
+class DeviceUnavailable(DeviceError):
+    """The device does not answer (unmounted, target gone, process dead)."""
+
+
+class DeviceTransient(DeviceError):
+    """A failure that may pass if retried later (timeout, busy, EINTR-like)."""
+
+
+class DeviceCorrupt(DeviceError):
+    """The device returned bytes it itself knows to be damaged."""
+
+
+class BufferTooSmall(DeviceError):
+    """The caller's buffer cannot hold the value; ``needed`` says how much can."""
+
+    def __init__(self, device: str, needed: int, given: int) -> None:
+        super().__init__(device, f"value of {needed} bytes does not fit a buffer of {given}")
+        self.needed = needed
+
+
+class HealthState(enum.Enum):
+    OK = "ok"
+    DEGRADED = "degraded"
+    """Serving, but something needs attention (nearly full, supercap warning)."""
+    FAILED = "failed"
+
+
+@dataclass(frozen=True, slots=True)
+class Health:
+    state: HealthState
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    used_bytes: int
+    capacity_bytes: int
+    """The most the device can hold; for a file tier the space left on its filesystem plus used."""
+    keys: int
+
+
+class Device(ABC):
+    """A key-value store of opaque byte values; see the module docstring."""
+
+    def __init__(self, name: str, max_value_bytes: int) -> None:
+        assert max_value_bytes > 0, max_value_bytes
+        self.name = name
+        self.max_value_bytes = max_value_bytes
+
+    @abstractmethod
+    def put(self, key: bytes, parts: Sequence[Buffer]) -> None:
+        """Store the concatenation of ``parts`` under ``key``, replacing any old value.
+
+        Parts let a caller write a header and a payload without joining them.
+        """
+
+    @abstractmethod
+    def get(self, key: bytes, into: memoryview) -> int | None:
+        """Copy the value into ``into`` and return its length, or None on a miss.
+
+        Raises `BufferTooSmall` when ``into`` is shorter than the value.
+        """
+
+    def peek(self, key: bytes, into: memoryview) -> int | None:
+        """Copy the first ``into.nbytes`` bytes of the value (fewer if it is shorter).
+
+        Lets recovery read object headers without reading whole values. The
+        default reads the whole value; drivers that can read a range override it.
+        """
+        size = self.size(key)
+        if size is None:
+            return None
+        whole = memoryview(bytearray(size))
+        got = self.get(key, whole)
+        if got is None:
+            return None
+        n = min(got, into.nbytes)
+        into[:n] = whole[:n]
+        return n
+
+    @abstractmethod
+    def size(self, key: bytes) -> int | None:
+        """The length of the stored value, or None on a miss."""
+
+    @abstractmethod
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        """One flag per key, answered in one batched call."""
+
+    @abstractmethod
+    def delete(self, key: bytes) -> bool:
+        """Remove ``key``; True if it was there."""
+
+    @abstractmethod
+    def scan(self) -> Iterator[tuple[bytes, int]]:
+        """Every (key, value length) stored; used to rebuild indexes."""
+
+    @abstractmethod
+    def usage(self) -> Usage: ...
+
+    @abstractmethod
+    def health(self) -> Health: ...
+
+    def close(self) -> None:  # noqa: B027 - most drivers hold nothing to release.
+        """Release handles; the device must not be used afterwards."""
+
+    def check_value_size(self, parts: Sequence[Buffer]) -> int:
+        """Total length of ``parts``; raises ValueError above ``max_value_bytes``."""
+        total = sum(memoryview(p).nbytes for p in parts)
+        if total > self.max_value_bytes:
+            raise ValueError(
+                f"{self.name}: a value of {total} bytes exceeds max_value_bytes "
+                f"{self.max_value_bytes}; the cache layer fragments larger values"
+            )
+        return total
+
+
+class DeviceEventKind(enum.Enum):
+    FULL = "full"
+    """The device refused a write for lack of space (a card's event 3002)."""
+    RESTARTED = "restarted"
+    """The target went away and came back; its contents may be gone."""
+    POWER_FAULT = "power_fault"
+    """Power-loss protection (supercapacitor) failed; writes may not be durable."""
+    EVICTED = "evicted"
+    """The device evicted keys on its own (card key eviction)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceEvent:
+    kind: DeviceEventKind
+    device: str
+    detail: str = ""
+
+
+class EventSource(ABC):
+    """Mixin for devices that report asynchronous events (cards, the simulator)."""
+
+    @abstractmethod
+    def drain_events(self) -> list[DeviceEvent]:
+        """Events since the last call, oldest first."""
+
+
+class PersistentDevice(ABC):
+    """Mixin for devices whose contents outlive the process (files, NVMe, S3).
+
+    ``state_dir`` is a local directory where the cache keeps its index of the
+    device (the manifest), beside the data it describes.
+    """
+
+    @property
+    @abstractmethod
+    def state_dir(self) -> str: ...

@@ -1,0 +1,53 @@
+"""Device drivers by tier type name: how a config's ``type:`` becomes a driver.
+
+The config side of each type (its fields) lives in `kvharbor.config.TIER_TYPES`;
+this table holds the factories. A test keeps the two in step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvharbor.config import FileTierSection, RamTierSection, TierSection
+from kvharbor.hal.base import Device
+
+DeviceFactory = Callable[[TierSection, int], Device]
+"""Builds a driver from its tier section and the largest value it must take."""
+
+
+def _open_ram(section: TierSection, max_value_bytes: int) -> Device:
+    from kvharbor.hal.ram import RamDevice
+
+    assert isinstance(section, RamTierSection)
+    return RamDevice(section.name, section.capacity_bytes, min(max_value_bytes, section.capacity_bytes))
+
+
+def _open_file(section: TierSection, max_value_bytes: int) -> Device:
+    from kvharbor.hal.file import open_file_device
+
+    assert isinstance(section, FileTierSection)
+    return open_file_device(section, max_value_bytes)
+
+
+_FACTORIES: dict[str, DeviceFactory] = {"ram": _open_ram, "file": _open_file}
+
+
+def register(type_name: str, factory: DeviceFactory) -> None:
+    """Add a driver; a name can be registered once."""
+    if type_name in _FACTORIES:
+        raise ValueError(f"device type {type_name!r} is already registered")
+    _FACTORIES[type_name] = factory
+
+
+def device_types() -> list[str]:
+    return sorted(_FACTORIES)
+
+
+def open_device(section: TierSection, max_value_bytes: int) -> Device:
+    """Open the driver for ``section``; raises ValueError for an unknown type."""
+    factory = _FACTORIES.get(section.type)
+    if factory is None:
+        raise ValueError(
+            f"tier '{section.name}': unknown tier type {section.type!r}; known: {', '.join(device_types())}"
+        )
+    return factory(section, max_value_bytes)
