@@ -1,0 +1,451 @@
+"""The gateway wire protocol: small binary control messages over a Unix socket.
+
+KV bytes never travel in these messages: they sit in the shared-memory segment,
+and messages carry only keys, sizes and offsets into it. A frame is::
+
+    length u32 (of the body that follows the frame header)
+    type u16 | flags u16 | request id u64
+    body (type-specific, little-endian)
+
+Every decoder checks lengths before it reads, so a malformed, truncated or
+hostile frame raises `ProtocolError` (with the code to answer) and never
+reads past the frame or allocates more than the frame's own size.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from kvharbor.cache.keys import KEY_BYTES
+
+PROTOCOL_VERSION = 1
+"""Bumped on any change to frames or message bodies."""
+
+FRAME = struct.Struct("<IHHQ")
+FRAME_BYTES = FRAME.size
+KEYS_PER_MESSAGE_MAX = 4096
+"""A batch holds at most this many keys: 4096 chunks of 256 tokens is 1 M tokens."""
+TEXT_BYTES_MAX = 4096
+
+
+class MessageType(enum.IntEnum):
+    HELLO = 1
+    HELLO_OK = 2
+    ERROR = 3
+    LOOKUP = 10
+    LOOKUP_OK = 11
+    PUT_PREPARE = 20
+    PUT_READY = 21
+    PUT_COMMIT = 22
+    PUT_DONE = 23
+    GET = 30
+    GET_READY = 31
+    RELEASE = 32
+    RELEASED = 33
+    STATUS = 40
+    STATUS_OK = 41
+
+
+class ErrorCode(enum.IntEnum):
+    MALFORMED = 1
+    VERSION_MISMATCH = 2
+    BAD_KEY = 3
+    TOO_LARGE = 4
+    BUSY = 5
+    """The shared-memory ring has no room now; retry later or skip."""
+    UNKNOWN_BATCH = 6
+    NOT_READY = 7
+    """A request before the handshake."""
+    INTERNAL = 8
+
+
+class ProtocolError(Exception):
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
+# -- body helpers ----------------------------------------------------------
+
+
+class _Reader:
+    """Bounds-checked sequential reads from one message body."""
+
+    def __init__(self, body: memoryview) -> None:
+        self._body = body
+        self._at = 0
+
+    def take(self, size: int) -> memoryview:
+        end = self._at + size
+        if size < 0 or end > self._body.nbytes:
+            raise ProtocolError(ErrorCode.MALFORMED, f"body ends at {self._body.nbytes} bytes, needed {end}")
+        view = self._body[self._at : end]
+        self._at = end
+        return view
+
+    def unpack(self, fmt: struct.Struct) -> tuple[Any, ...]:
+        return fmt.unpack(self.take(fmt.size))
+
+    def u32(self) -> int:
+        return int(self.unpack(_U32)[0])
+
+    def text(self) -> str:
+        size = self.u32()
+        if size > TEXT_BYTES_MAX:
+            raise ProtocolError(ErrorCode.MALFORMED, f"text of {size} bytes exceeds {TEXT_BYTES_MAX}")
+        try:
+            return bytes(self.take(size)).decode("utf-8")
+        except UnicodeDecodeError:
+            raise ProtocolError(ErrorCode.MALFORMED, "text is not UTF-8") from None
+
+    def key(self) -> bytes:
+        return bytes(self.take(KEY_BYTES))
+
+    def count(self) -> int:
+        n = self.u32()
+        if n > KEYS_PER_MESSAGE_MAX:
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"{n} entries exceed {KEYS_PER_MESSAGE_MAX} per message")
+        return n
+
+    def end(self) -> None:
+        if self._at != self._body.nbytes:
+            raise ProtocolError(ErrorCode.MALFORMED, f"{self._body.nbytes - self._at} trailing bytes")
+
+
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+_KEY_SIZE = struct.Struct(f"<{KEY_BYTES}sQ")
+_OFFSET_LENGTH = struct.Struct("<QQ")
+
+
+def _text(value: str) -> bytes:
+    raw = value.encode("utf-8")[:TEXT_BYTES_MAX]
+    return _U32.pack(len(raw)) + raw
+
+
+def _keys(keys: Sequence[bytes]) -> bytes:
+    if len(keys) > KEYS_PER_MESSAGE_MAX:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"{len(keys)} keys exceed {KEYS_PER_MESSAGE_MAX} per message")
+    for key in keys:
+        if len(key) != KEY_BYTES:
+            raise ProtocolError(ErrorCode.BAD_KEY, f"a key is {KEY_BYTES} bytes, got {len(key)}")
+    return _U32.pack(len(keys)) + b"".join(keys)
+
+
+def _read_keys(reader: _Reader) -> list[bytes]:
+    n = reader.count()
+    return [reader.key() for _ in range(n)]
+
+
+# -- messages --------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    TYPE: ClassVar[MessageType]
+
+    def body(self) -> bytes:
+        raise NotImplementedError
+
+    @classmethod
+    def parse(cls, reader: _Reader) -> Message:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True, slots=True)
+class Hello(Message):
+    TYPE: ClassVar[MessageType] = MessageType.HELLO
+    protocol: int
+    release: str
+    pid: int
+    client: str
+
+    def body(self) -> bytes:
+        return _U32.pack(self.protocol) + _text(self.release) + _U32.pack(self.pid) + _text(self.client)
+
+    @classmethod
+    def parse(cls, reader: _Reader) -> Hello:
+        return cls(reader.u32(), reader.text(), reader.u32(), reader.text())
+
+
+@dataclass(frozen=True, slots=True)
+class HelloOk(Message):
+    TYPE: ClassVar[MessageType] = MessageType.HELLO_OK
+    protocol: int
+    release: str
+    shm_path: str
+    shm_bytes: int
+    gateway_pid: int
+
+    def body(self) -> bytes:
+        return (
+            _U32.pack(self.protocol)
+            + _text(self.release)
+            + _text(self.shm_path)
+            + _U64.pack(self.shm_bytes)
+            + _U32.pack(self.gateway_pid)
+        )
+
+    @classmethod
+    def parse(cls, reader: _Reader) -> HelloOk:
+        return cls(reader.u32(), reader.text(), reader.text(), reader.unpack(_U64)[0], reader.u32())
+
+
+@dataclass(frozen=True, slots=True)
+class Error(Message):
+    TYPE: ClassVar[MessageType] = MessageType.ERROR
+    code: ErrorCode
+    text: str
+
+    def body(self) -> bytes:
+        return _U32.pack(int(self.code)) + _text(self.text)
+
+    @classmethod
+    def parse(cls, reader: _Reader) -> Error:
+        raw = reader.u32()
+        try:
+            code = ErrorCode(raw)
+        except ValueError:
+            code = ErrorCode.INTERNAL
+        return cls(code, reader.text())
+
+
+@dataclass(frozen=True, slots=True)
+class Lookup(Message):
+    TYPE: ClassVar[MessageType] = MessageType.LOOKUP
+    chunk_tokens: int
+    keys: list[bytes]
+
+    def body(self) -> bytes:
+        return _U32.pack(self.chunk_tokens) + _keys(self.keys)
+
+    @classmethod
+    def parse(cls, reader: _Reader) -> Lookup:
+        return cls(reader.u32(), _read_keys(reader))
+
+
+@dataclass(frozen=True, slots=True)
+class LookupOk(Message):
+    TYPE: ClassVar[MessageType] = MessageType.LOOKUP_OK
+    hits: int
+
+    def body(self) -> bytes:
+        return _U32.pack(self.hits)
+
+    @classmethod
+    def parse(cls, reader: _Reader) -> LookupOk:
+        return cls(reader.u32())
+
+
+@dataclass(frozen=True, slots=True)
+class PutPrepare(Message):
+    """Ask for room in shared memory for values the client will then copy in."""
+
+    TYPE: ClassVar[MessageType] = MessageType.PUT_PREPARE
+    fingerprint: bytes
+    items: list[tuple[bytes, int]]
+    """(key, value length in bytes)."""
+
+    def body(self) -> bytes:
+        if len(self.items) > KEYS_PER_MESSAGE_MAX:
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"{len(self.items)} items exceed {KEYS_PER_MESSAGE_MAX}")
+        _keys([self.fingerprint, *(k for k, _ in self.items)])
+        return self.fingerprint + _U32.pack(len(self.items)) + b"".join(_KEY_SIZE.pack(k, n) for k, n in self.items)
+
+    @classmethod
+    def parse(cls, reader: _Reader) -> PutPrepare:
+        fingerprint = reader.key()
+        n = reader.count()
+        items = []
+        for _ in range(n):
+            key, size = reader.unpack(_KEY_SIZE)
+            items.append((bytes(key), int(size)))
+        return cls(fingerprint, items)
+
+
+SKIP = 2**64 - 1
+"""Offset meaning: do not copy this value (already stored, or no room)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PutReady(Message):
+    TYPE: ClassVar[MessageType] = MessageType.PUT_READY
+    batch: int
+    offsets: list[int]
+    """Where each value goes in shared memory, or `SKIP`."""
+
+    def body(self) -> bytes:
+        return _U64.pack(self.batch) + _U32.pack(len(self.offsets)) + b"".join(_U64.pack(o) for o in self.offsets)
+
+    @classmethod
+    def parse(cls, reader: _Reader) -> PutReady:
+        batch = reader.unpack(_U64)[0]
+        n = reader.count()
+        return cls(batch, [reader.unpack(_U64)[0] for _ in range(n)])
+
+
+@dataclass(frozen=True, slots=True)
+class BatchRef(Message):
+    """A message that only names a batch: commit or release it."""
+
+    batch: int
+
+    def body(self) -> bytes:
+        return _U64.pack(self.batch)
+
+    @classmethod
+    def parse(cls, reader: _Reader) -> BatchRef:
+        return cls(reader.unpack(_U64)[0])
+
+
+@dataclass(frozen=True, slots=True)
+class PutCommit(BatchRef):
+    TYPE: ClassVar[MessageType] = MessageType.PUT_COMMIT
+
+
+@dataclass(frozen=True, slots=True)
+class Release(BatchRef):
+    TYPE: ClassVar[MessageType] = MessageType.RELEASE
+
+
+@dataclass(frozen=True, slots=True)
+class Released(BatchRef):
+    TYPE: ClassVar[MessageType] = MessageType.RELEASED
+
+
+@dataclass(frozen=True, slots=True)
+class PutDone(Message):
+    TYPE: ClassVar[MessageType] = MessageType.PUT_DONE
+    stored: int
+
+    def body(self) -> bytes:
+        return _U32.pack(self.stored)
+
+    @classmethod
+    def parse(cls, reader: _Reader) -> PutDone:
+        return cls(reader.u32())
+
+
+@dataclass(frozen=True, slots=True)
+class Get(Message):
+    TYPE: ClassVar[MessageType] = MessageType.GET
+    fingerprint: bytes
+    keys: list[bytes]
+
+    def body(self) -> bytes:
+        _keys([self.fingerprint])
+        return self.fingerprint + _keys(self.keys)
+
+    @classmethod
+    def parse(cls, reader: _Reader) -> Get:
+        return cls(reader.key(), _read_keys(reader))
+
+
+@dataclass(frozen=True, slots=True)
+class GetReady(Message):
+    """The leading hits, each as (offset, length) of its value in shared memory."""
+
+    TYPE: ClassVar[MessageType] = MessageType.GET_READY
+    batch: int
+    spans: list[tuple[int, int]]
+
+    def body(self) -> bytes:
+        return (
+            _U64.pack(self.batch)
+            + _U32.pack(len(self.spans))
+            + b"".join(_OFFSET_LENGTH.pack(o, n) for o, n in self.spans)
+        )
+
+    @classmethod
+    def parse(cls, reader: _Reader) -> GetReady:
+        batch = reader.unpack(_U64)[0]
+        n = reader.count()
+        return cls(batch, [tuple(reader.unpack(_OFFSET_LENGTH)) for _ in range(n)])
+
+
+@dataclass(frozen=True, slots=True)
+class Status(Message):
+    TYPE: ClassVar[MessageType] = MessageType.STATUS
+
+    def body(self) -> bytes:
+        return b""
+
+    @classmethod
+    def parse(cls, reader: _Reader) -> Status:
+        return cls()
+
+
+@dataclass(frozen=True, slots=True)
+class StatusOk(Message):
+    TYPE: ClassVar[MessageType] = MessageType.STATUS_OK
+    document: dict[str, Any] = field(default_factory=dict)
+
+    def body(self) -> bytes:
+        raw = json.dumps(self.document, separators=(",", ":")).encode()
+        return _U32.pack(len(raw)) + raw
+
+    @classmethod
+    def parse(cls, reader: _Reader) -> StatusOk:
+        raw = reader.take(reader.u32())
+        try:
+            document = json.loads(bytes(raw))
+        except ValueError:
+            raise ProtocolError(ErrorCode.MALFORMED, "status is not JSON") from None
+        return cls(document)
+
+
+_TYPES: dict[int, type[Message]] = {
+    cls.TYPE: cls
+    for cls in (
+        Hello, HelloOk, Error, Lookup, LookupOk, PutPrepare, PutReady, PutCommit, PutDone,
+        Get, GetReady, Release, Released, Status, StatusOk,
+    )
+}  # fmt: skip
+
+
+def encode(message: Message, request_id: int) -> bytes:
+    body = message.body()
+    return FRAME.pack(len(body), int(message.TYPE), 0, request_id) + body
+
+
+@dataclass(frozen=True, slots=True)
+class FrameHeader:
+    length: int
+    type: int
+    flags: int
+    request_id: int
+
+
+def decode_frame_header(data: bytes | memoryview, body_bytes_max: int) -> FrameHeader:
+    if len(data) != FRAME_BYTES:
+        raise ProtocolError(ErrorCode.MALFORMED, f"frame header of {len(data)} bytes")
+    length, kind, flags, request_id = FRAME.unpack(data)
+    if length > body_bytes_max:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"message of {length} bytes exceeds {body_bytes_max}")
+    return FrameHeader(length, kind, flags, request_id)
+
+
+def decode_body(kind: int, body: bytes | bytearray | memoryview) -> Message:
+    """Parse one message body; raises `ProtocolError` for anything malformed."""
+    cls = _TYPES.get(kind)
+    if cls is None:
+        raise ProtocolError(ErrorCode.MALFORMED, f"unknown message type {kind}")
+    reader = _Reader(memoryview(body))
+    message = cls.parse(reader)
+    reader.end()
+    return message
+
+
+def decode(data: bytes, body_bytes_max: int = 1 << 20) -> tuple[FrameHeader, Message]:
+    """Decode one whole frame (header and body), as the fuzz tests feed it."""
+    header = decode_frame_header(data[:FRAME_BYTES], body_bytes_max)
+    body = data[FRAME_BYTES:]
+    if len(body) != header.length:
+        raise ProtocolError(ErrorCode.MALFORMED, f"body of {len(body)} bytes, frame says {header.length}")
+    return header, decode_body(header.type, body)

@@ -1,0 +1,201 @@
+"""The shared-memory segment the gateway and its clients exchange KV bytes through.
+
+One file in /dev/shm per gateway, named ``<shm_name>.<gateway pid>`` so that a
+new gateway never reuses the memory an old one's clients may still map, and
+so that a segment whose gateway is dead is recognisable as stale.
+
+Engine and gateway must share the host's IPC namespace and /dev/shm: a client
+that cannot open the segment says so, with the settings that fix it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvharbor.config import MIB
+from kvharbor.telemetry.log import get_logger
+
+_log = get_logger("kvharbor.gateway.shm")
+
+SHM_DIR = Path("/dev/shm")
+PAGE_BYTES = 4096
+"""Allocation granularity: page alignment keeps O_DIRECT and CUDA host registration possible."""
+
+SHARE_HINT = (
+    "the engine and the gateway must share the host's IPC namespace and /dev/shm: "
+    "docker run --ipc=host, Kubernetes hostIPC: true, and no volume mounted over /dev/shm"
+)
+
+
+class ShmTooSmall(Exception):
+    pass
+
+
+class ShmUnavailable(Exception):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class RingPlan:
+    requested_bytes: int
+    granted_bytes: int
+    free_bytes: int
+    total_bytes: int
+
+    @property
+    def shrunk(self) -> bool:
+        return self.granted_bytes < self.requested_bytes
+
+
+def plan_ring(requested_bytes: int, min_bytes: int, free_bytes: int, total_bytes: int) -> RingPlan:
+    """Fit the ring into what /dev/shm has free: shrink to fit, refuse below the minimum."""
+    assert requested_bytes > 0 and min_bytes > 0
+    fits = (free_bytes // MIB) * MIB
+    granted = min(requested_bytes, fits)
+    if granted < min_bytes:
+        raise ShmTooSmall(
+            f"the gateway ring needs at least {min_bytes // MIB} MiB (gateway.ring_mb_min) but "
+            f"/dev/shm has {free_bytes / MIB:.0f} MiB free of {total_bytes / MIB:.0f} MiB; "
+            f"{enlarge_hint(requested_bytes)}"
+        )
+    return RingPlan(requested_bytes, granted, free_bytes, total_bytes)
+
+
+def enlarge_hint(requested_bytes: int) -> str:
+    gib = max(1, -(-requested_bytes // (1 << 30)) + 1)
+    return (
+        f"enlarge /dev/shm: docker run --shm-size={gib}g (or --ipc=host), "
+        f"mount -o remount,size={gib}G /dev/shm, or a larger memory-backed volume; "
+        "or lower gateway.ring_mb"
+    )
+
+
+def shm_space(directory: Path = SHM_DIR) -> tuple[int, int]:
+    """(free bytes, total bytes) of the filesystem holding ``directory``."""
+    stats = os.statvfs(directory)
+    return stats.f_bavail * stats.f_frsize, stats.f_blocks * stats.f_frsize
+
+
+def segment_path(directory: Path, shm_name: str, pid: int) -> Path:
+    return directory / f"{shm_name}.{pid}"
+
+
+class Segment:
+    """A mapped shared-memory file; ``view`` is the whole of it as bytes."""
+
+    def __init__(self, path: Path, fd: int, size: int, owner: bool) -> None:
+        self.path = path
+        self.size = size
+        self.owner = owner
+        try:
+            self.map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.view = memoryview(self.map)
+
+    @classmethod
+    def create(cls, path: Path, size: int) -> Segment:
+        """Create and fully back ``size`` bytes, so a full /dev/shm fails here, not
+        later as a SIGBUS in the middle of a copy."""
+        assert size > 0 and size % PAGE_BYTES == 0, size
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as err:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise ShmTooSmall(f"cannot reserve {size // MIB} MiB in {path.parent}: {err.strerror}") from None
+        return cls(path, fd, size, owner=True)
+
+    @classmethod
+    def attach(cls, path: Path, size: int) -> Segment:
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as err:
+            raise ShmUnavailable(
+                f"cannot open the gateway's shared memory {path} ({err.strerror}); {SHARE_HINT}"
+            ) from None
+        actual = os.fstat(fd).st_size
+        if actual != size:
+            os.close(fd)
+            raise ShmUnavailable(
+                f"shared memory {path} is {actual} bytes, the gateway announced {size}; {SHARE_HINT}"
+            )
+        return cls(path, fd, size, owner=False)
+
+    def close(self) -> None:
+        self.view.release()
+        # A caller may still hold a view: the mapping then goes with the process.
+        with contextlib.suppress(BufferError):
+            self.map.close()
+        if self.owner:
+            self.path.unlink(missing_ok=True)
+
+
+# -- stale segments ----------------------------------------------------------
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def mapped_by(path: Path) -> list[int]:
+    """Pids of the processes that map ``path`` (read from /proc/*/maps)."""
+    target = str(path)
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(entry / "maps") as maps:
+                if any(line.rstrip().endswith(target) for line in maps):
+                    pids.append(int(entry.name))
+        except OSError:
+            continue  # Gone, or not ours to read.
+    return pids
+
+
+def _segments(directory: Path, shm_name: str) -> Iterator[tuple[Path, int]]:
+    pattern = re.compile(rf"^{re.escape(shm_name)}\.(\d+)$")
+    for path in directory.iterdir():
+        match = pattern.match(path.name)
+        if match:
+            yield path, int(match.group(1))
+
+
+def remove_stale_segments(directory: Path, shm_name: str) -> list[Path]:
+    """Unlink segments of dead gateways that no process maps any more.
+
+    A segment still mapped by a live engine is left alone (its memory is in
+    use); it goes when that engine exits and a later gateway starts.
+    """
+    removed = []
+    for path, pid in _segments(directory, shm_name):
+        if pid == os.getpid() or _pid_alive(pid):
+            continue
+        users = mapped_by(path)
+        if users:
+            _log.warning(
+                "kvharbor: shared memory %s of dead gateway pid %d is still mapped by pid %s; left in place",
+                path, pid, ", ".join(map(str, users)),
+            )  # fmt: skip
+            continue
+        size = path.stat().st_size
+        path.unlink(missing_ok=True)
+        removed.append(path)
+        _log.warning(
+            "kvharbor: removed stale shared memory %s (%d MiB) left by gateway pid %d", path, size // MIB, pid
+        )
+    return removed
