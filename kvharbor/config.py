@@ -56,13 +56,19 @@ class GatewaySection(_Section):
     """embedded: the first client starts the gateway; service: run ``kvharbor gateway``."""
     socket: str = Field(default_factory=lambda: str(default_runtime_dir() / "gateway.sock"))
     shm_name: str = Field("kvharbor", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    shm_dir: str = "/dev/shm"
+    """Where the shared-memory segment is created; a tmpfs both sides can see."""
     ring_mb: int = Field(1024, gt=0, description="shared-memory ring size in MiB")
+    ring_wait_ms: int = Field(200, ge=0, description="how long a transfer waits for ring space")
     ring_mb_min: int = Field(64, gt=0, description="refuse to start below this ring size")
-    request_timeout_ms: int = Field(5000, gt=0)
+    shm_reserve_mb: int = Field(64, ge=0, description="MiB of shm_dir left free for the engine (NCCL uses it)")
+    request_timeout_ms: int = Field(5000, gt=0, description="longest wait for one gateway reply")
     connect_timeout_ms: int = Field(2000, gt=0)
     embedded_start_timeout_ms: int = Field(20000, gt=0)
+    stop_timeout_ms: int = Field(5000, gt=0, description="how long a stopping gateway waits for requests in flight")
     clients_max: int = Field(64, gt=0)
-    message_bytes_max: int = Field(1 * MIB, gt=0)
+    message_bytes_max: int = Field(1 * MIB, ge=128 * 1024, description="largest control message in bytes")
+    """At least 128 KiB: a full batch (4096 keys with their sizes) must fit in one message."""
 
 
 class TierSection(_Section):
@@ -117,11 +123,11 @@ def _default_tiers() -> list[TierSection]:
 class StorageSection(_Section):
     tiers: list[TierSection] = Field(default_factory=_default_tiers, min_length=1)
     write_policy: Literal["write_through", "write_back"] = "write_through"
+    """write_through: a put reaches every tier before it returns; write_back: lower
+    tiers are written when an object is evicted from the one above."""
     value_mb_max: int = Field(1024, gt=0, description="largest value (one chunk's KV) in MiB")
     probe: bool = True
     """Write, read back and delete a test object in every tier at start; skip failing tiers."""
-    """write_through: a put reaches every tier before it returns; write_back: lower
-    tiers are written when an object is evicted from the one above."""
     backpressure: BackpressureSection = BackpressureSection()
 
     @field_validator("tiers", mode="before")
@@ -270,6 +276,12 @@ def validate_config(data: Mapping[str, Any], source: str = "config") -> Config:
         config = Config.model_validate(dict(data))
     except ValidationError as err:
         raise ConfigError(f"invalid kvharbor config ({source}): {_brief(err)}") from None
+    if config.gateway.ring_wait_ms >= config.gateway.request_timeout_ms:
+        # A request waiting for ring space must answer before its client gives up on it.
+        raise ConfigError(
+            f"invalid kvharbor config ({source}): gateway.ring_wait_ms ({config.gateway.ring_wait_ms} ms) "
+            f"must be below gateway.request_timeout_ms ({config.gateway.request_timeout_ms} ms)"
+        )
     if config.gateway.ring_mb < config.gateway.ring_mb_min:
         raise ConfigError(
             f"invalid kvharbor config ({source}): gateway.ring_mb: {config.gateway.ring_mb} MiB "

@@ -56,7 +56,8 @@ if [[ ! -x "${PY}" ]]; then
         rm -rf "${VENV}"
         "${BASE_PY}" -m venv "${VENV}"
     fi
-    "${PY}" -m pip install -q --upgrade pip
+    "${PY}" -m pip install -q --upgrade pip \
+        2> >(grep -v "is ignored: it is neither a file nor a directory" >&2 || true)
 else
     log "reusing ${VENV} ($(${PY} --version))"
 fi

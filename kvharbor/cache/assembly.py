@@ -96,7 +96,11 @@ def open_store(config: Config, start_clean: bool = False) -> TieredStore:
             continue
         if start_clean:
             removed = tier.clear()
-            _log.info("kvharbor: tier %s emptied at start (--start-clean=1): %d objects removed", tier.name, removed)
+            _log.info(
+                "kvharbor: tier %s emptied at start (--start-clean=1): %d objects removed",
+                tier.name,
+                removed,
+            )
         tiers.append(tier)
     if not tiers:
         _log.error("kvharbor: no usable storage tier; every lookup is a miss until the tiers are fixed")

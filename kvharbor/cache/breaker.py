@@ -87,6 +87,16 @@ class CircuitBreaker:
                 self._open()
             return self._state
 
+    def cancel(self) -> None:
+        """Forget an allowed operation that never reached storage: nothing to judge.
+
+        In half-open this hands the one trial back, so that the next operation
+        may be the trial; without it the breaker would wait forever for an
+        outcome that never comes.
+        """
+        with self._lock:
+            self._trial_running = False
+
     def _advance(self) -> None:
         cooled = self._clock() - self._opened_at >= self.settings.cooldown_s
         if self._state is BreakerState.OPEN and cooled:

@@ -126,6 +126,10 @@ def _compress(codec: Codec, data: memoryview) -> memoryview:
 
 def _decompress(codec: Codec, data: memoryview, raw_length: int) -> memoryview:
     if codec is Codec.NONE:
+        # Stored bytes are the value: the lengths must agree, or a header that
+        # lies about the raw length would hand out a value of the wrong size.
+        if data.nbytes != raw_length:
+            raise CorruptObject(f"stored {data.nbytes} bytes, header says the value is {raw_length}")
         return data
     try:
         if codec is Codec.LZ4:
@@ -247,9 +251,7 @@ ReadPart = Callable[[ChunkKey], memoryview | None]
 """Reads one stored part (header and payload) by device key; None on a miss."""
 
 
-def decode(
-    key: bytes, fingerprint: bytes, read: ReadPart, out: memoryview | None = None
-) -> memoryview | None:
+def decode(key: bytes, fingerprint: bytes, read: ReadPart, out: memoryview | None = None) -> memoryview | None:
     """Read, verify and reassemble the value stored under ``key``.
 
     Returns None when fragment 0 is missing (a plain miss); raises

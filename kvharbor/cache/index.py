@@ -136,7 +136,7 @@ class MemoryIndex(TierIndex):
 
     def lru(self, limit: int) -> list[Entry]:
         with self._lock:
-            out = []
+            out: list[Entry] = []
             for entry in self._entries.values():
                 if len(out) >= limit:
                     break

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import array
 import json
+import operator
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -82,9 +83,7 @@ def fragment_key(key: bytes, index: int) -> ChunkKey:
     """
     assert index >= 1, index
     check_key(key)
-    digest = blake2b(
-        key + index.to_bytes(4, "little"), digest_size=KEY_BYTES, person=_PERSON_FRAGMENT
-    ).digest()
+    digest = blake2b(key + index.to_bytes(4, "little"), digest_size=KEY_BYTES, person=_PERSON_FRAGMENT).digest()
     return ChunkKey(digest)
 
 
@@ -159,16 +158,33 @@ def _salt_bytes(salt: str | None) -> bytes:
 
 
 def token_bytes(token_ids: Sequence[int]) -> memoryview:
-    """Token ids as little-endian uint32 bytes, the form every key hashes."""
+    """Token ids as little-endian uint32 bytes, the form every key hashes.
+
+    Raises ValueError (out of range) or TypeError (not an integer) naming the
+    first bad token and its 0-based position.
+    """
     try:
+        # One C-level pass over the list; the fastest packing the standard
+        # library offers, and it range-checks every id on the way.
         packed = array.array("I", token_ids)
-    except OverflowError:
-        bad = next(t for t in token_ids if not 0 <= t <= TOKEN_ID_MAX)
-        raise ValueError(f"token id {bad} is outside 0..{TOKEN_ID_MAX}") from None
+    except (OverflowError, TypeError):
+        _raise_bad_token(token_ids)
+        raise  # No single token is to blame (e.g. not a sequence at all).
     assert packed.itemsize == 4, "array('I') is 4 bytes on every supported platform"
     if sys.byteorder == "big":
         packed.byteswap()  # Big-endian hosts hash the same bytes as little-endian ones.
     return memoryview(packed).cast("B")
+
+
+def _raise_bad_token(token_ids: Sequence[int]) -> None:
+    """Raise the error that names the first token `array` refused, if one is to blame."""
+    for position, token in enumerate(token_ids):
+        try:
+            value = operator.index(token)
+        except TypeError:
+            raise TypeError(f"token id {token!r} at position {position} is not an integer") from None
+        if not 0 <= value <= TOKEN_ID_MAX:
+            raise ValueError(f"token id {value} at position {position} is outside 0..{TOKEN_ID_MAX}")
 
 
 def chunk_keys(
@@ -186,27 +202,33 @@ def chunk_keys(
     can stop at the first miss. A trailing partial chunk gets no key: its KV
     would change once more tokens arrive. ``parent`` continues a chain from a
     known key (the salt then enters no more).
+
+    Every token id is checked, those of the partial tail too: an id that
+    cannot be a token is an error wherever it stands (and packing the whole
+    list is cheaper than slicing it first).
     """
     check_key(fingerprint_digest)
     check_key(parent)
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    full = len(token_ids) // chunk_size
-    data = token_bytes(token_ids[: full * chunk_size])
+    salt_part = _salt_bytes(salt)  # Type-checked even when there is nothing to key.
+    data = token_bytes(token_ids)
     stride = chunk_size * 4
+    end = len(token_ids) // chunk_size * stride
+    # The hasher state after the personalisation and fingerprint digest is the
+    # same for every chunk: build it once and continue from a copy, which gives
+    # bit-identical digests without re-initialising BLAKE2b per chunk.
+    start = blake2b(fingerprint_digest, digest_size=KEY_BYTES, person=_PERSON_CHUNK)
     keys: list[ChunkKey] = []
     previous = parent
-    salted = parent == _ROOT_PARENT
-    for i in range(full):
-        h = blake2b(fingerprint_digest, digest_size=KEY_BYTES, person=_PERSON_CHUNK)
+    for offset in range(0, end, stride):
+        h = start.copy()
         h.update(previous)
-        if salted and i == 0:
-            h.update(_salt_bytes(salt))
-        h.update(data[i * stride : (i + 1) * stride])
+        if offset == 0 and parent == _ROOT_PARENT:
+            h.update(salt_part)
+        h.update(data[offset : offset + stride])
         previous = h.digest()
         keys.append(ChunkKey(previous))
-    if salt is not None and full == 0:
-        _salt_bytes(salt)  # Type-check the salt even when there is nothing to key.
     return keys
 
 

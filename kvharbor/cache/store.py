@@ -17,11 +17,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Literal
 
 from kvharbor.cache.accounting import HitAccounting
 from kvharbor.cache.index import Entry
-from kvharbor.cache.tier import Tier, TierStatus
+from kvharbor.cache.tier import BufferSource, Tier, TierStatus, new_buffer
 from kvharbor.hal.base import Buffer
 
 WritePolicy = Literal["write_through", "write_back"]
@@ -53,24 +54,26 @@ class TieredStore:
         """
         if not keys:
             return 0
-        present = [False] * len(keys)
-        remaining = len(keys)
-        for tier in self.tiers:
-            for i, here in enumerate(tier.contains(keys)):
-                if here and not present[i]:
-                    present[i] = True
-                    remaining -= 1
-            if remaining == 0:
-                break
+        present = self.contains(keys)
         hit = next((i for i, p in enumerate(present) if not p), len(keys))
         assert 0 <= hit <= len(keys)
         self.accounting.record(len(keys) * chunk_tokens, hit * chunk_tokens)
         return hit
 
-    def get(self, key: bytes, fingerprint: bytes, into: memoryview | None = None) -> memoryview | None:
-        """The verified value, or None; a hit below the first tier is promoted."""
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per key: does any tier hold it?"""
+        present = [False] * len(keys)
+        for tier in self.tiers:
+            present = [a or b for a, b in zip(present, tier.contains(keys), strict=True)]
+        return present
+
+    def get(self, key: bytes, fingerprint: bytes, source: BufferSource = new_buffer) -> memoryview | None:
+        """The verified value, or None; a hit below the first tier is promoted.
+
+        ``source`` supplies the buffer the stored object is read into (see `Tier.read`).
+        """
         for depth, tier in enumerate(self.tiers):
-            value = tier.read(key, fingerprint, into)
+            value = tier.read(key, fingerprint, source)
             if value is None:
                 continue
             for upper in reversed(self.tiers[:depth]):
@@ -117,15 +120,15 @@ class TieredStore:
     # -- internals ---------------------------------------------------------
 
     def _write_tier(
-        self, tier: Tier, key: bytes, fingerprint: bytes, value: Buffer, pinned: frozenset[bytes] = frozenset()
+        self,
+        tier: Tier,
+        key: bytes,
+        fingerprint: bytes,
+        value: Buffer,
+        pinned: frozenset[bytes] = frozenset(),
     ) -> bool:
-        victims = tier.write(key, fingerprint, value, pinned | {bytes(key)})
-        if victims is None:
-            return False
-        if victims and self.write_policy == "write_back":
-            self._demote(tier, victims)
-        tier.drop(victims)
-        return tier.index.get(key) is not None
+        on_evict = partial(self._demote, tier) if self.write_policy == "write_back" else None
+        return tier.write(key, fingerprint, value, pinned | {bytes(key)}, on_evict)
 
     def _demote(self, tier: Tier, victims: Sequence[Entry]) -> None:
         """Write-back: move what ``tier`` evicts into the tier below it, if any."""

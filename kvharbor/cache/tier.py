@@ -23,6 +23,13 @@ from kvharbor.telemetry.log import OnceLog, get_logger
 
 _log = get_logger("kvharbor.cache.tier")
 
+BufferSource = Callable[[int], memoryview]
+"""Hands out a writable buffer of exactly the asked size for a read to land in."""
+
+
+def new_buffer(nbytes: int) -> memoryview:
+    return memoryview(bytearray(nbytes))
+
 
 @dataclass(slots=True)
 class TierCounters:
@@ -90,25 +97,28 @@ class Tier:
             return [False] * len(keys)
         return self.index.contains(keys)
 
-    def object_bytes(self, raw_length: int) -> int:
-        """Bytes a reader's buffer needs to receive a value of ``raw_length`` unfragmented."""
-        return HEADER_BYTES + raw_length
-
-    def read(self, key: bytes, fingerprint: bytes, into: memoryview | None = None) -> memoryview | None:
+    def read(self, key: bytes, fingerprint: bytes, source: BufferSource = new_buffer) -> memoryview | None:
         """The verified value under ``key``, or None (miss, corrupt, fault, breaker open).
 
-        With ``into`` large enough for the whole object (`object_bytes`), an
-        uncompressed single-part value is read straight into it and returned as
-        a view: no copy beyond the device's own.
+        The object's first part is read into ``source(size)``; an uncompressed
+        single-part value is returned as a view into that buffer, starting
+        `HEADER_BYTES` in: no copy beyond the device's own. The gateway passes
+        a source that hands out shared memory, so a hit lands where the client
+        reads it.
         """
         if not self._allow():
             return None
         self._count(gets=1)
         try:
-            value = decode(key, fingerprint, self._read_part_fn(key, into), into)
+            value = decode(key, fingerprint, self._read_part_fn(key, source))
         except CorruptObject as err:
             self._count(corrupt=1)
-            _log.warning("kvharbor: corrupt chunk %s in tier '%s' (%s) -> treated as miss", key.hex(), self.name, err)
+            _log.warning(
+                "kvharbor: corrupt chunk %s in tier '%s' (%s) -> treated as miss",
+                key.hex(),
+                self.name,
+                err,
+            )
             self.delete([key])
             self._ok()  # The device answered; the bytes were bad.
             return None
@@ -136,7 +146,7 @@ class Tier:
             if self.device.peek(entry.key, head) != HEADER_BYTES:
                 return None
             fingerprint = parse_header(head).fingerprint
-            value = decode(entry.key, fingerprint, self._read_part_fn(entry.key, None))
+            value = decode(entry.key, fingerprint, self._read_part_fn(entry.key, new_buffer))
         except (CorruptObject, DeviceError):
             return None
         return None if value is None else (fingerprint, value)
@@ -144,36 +154,58 @@ class Tier:
     # -- writes ------------------------------------------------------------
 
     def write(
-        self, key: bytes, fingerprint: bytes, value: Buffer, pinned: frozenset[bytes] = frozenset()
-    ) -> list[Entry] | None:
-        """Store ``value``; returns the evicted entries (bytes still on the device,
-        for the caller to demote and then `drop`), or None if not stored."""
+        self,
+        key: bytes,
+        fingerprint: bytes,
+        value: Buffer,
+        pinned: frozenset[bytes] = frozenset(),
+        on_evict: Callable[[Sequence[Entry]], None] | None = None,
+    ) -> bool:
+        """Store ``value``; True if stored.
+
+        Entries evicted to make room are first handed to ``on_evict`` while
+        their bytes are still on the device (write-back demotes them from
+        there), then deleted *before* the new value is written: a device whose
+        hard limit is the tier budget (RAM) must really have the room the index
+        promised, or every put into a full tier would fail.
+        """
         if not self._allow():
-            return None
-        parts = encode(key, fingerprint, value, self.codec, self.device.max_value_bytes)
-        entry = Entry(bytes(key), sum(p.nbytes for p in parts), len(parts))
+            return False
         try:
+            parts = encode(key, fingerprint, value, self.codec, self.device.max_value_bytes)
+            entry = Entry(bytes(key), sum(p.nbytes for p in parts), len(parts))
             victims = self.index.admit(entry, self.capacity_bytes, pinned)
-        except OverBudget as err:
-            self._once.say(f"overbudget:{self.name}", f"tier '{self.name}': {err}; not stored")
-            return None
+        except (OverBudget, ValueError) as err:
+            # Nothing reached the device, so there is no outcome to judge; a
+            # half-open breaker gets its one trial back (else it stays half-open
+            # with a trial that never reports, and the tier is skipped for good).
+            self.breaker.cancel()
+            self._once.say(f"unstorable:{self.name}", f"tier '{self.name}': {err}; not stored")
+            return False
+        if victims:
+            if on_evict is not None:
+                on_evict(victims)
+            self.drop(victims)
         try:
             for part in parts:
                 self.device.put(part.device_key, [part.header, part.payload])
         except DeviceFull as err:
             self._count(full=1)
-            self._once.say(f"full:{self.name}", f"tier '{self.name}' is full ({err}); new chunks are not stored there")
+            self._once.say(
+                f"full:{self.name}",
+                f"tier '{self.name}' is full ({err}); new chunks are not stored there",
+            )
             self._forget(entry)
             self._ok()  # Full is not sick: reads still work.
-            return victims
+            return False
         except DeviceError as err:
             self._forget(entry)
             self._fault("write", err)
-            return victims
+            return False
         self._once.clear(f"full:{self.name}")
         self._ok()
         self._count(puts=1, put_bytes=entry.nbytes)
-        return victims
+        return True
 
     def drop(self, victims: Sequence[Entry]) -> None:
         """Delete the bytes of entries the index already let go."""
@@ -191,7 +223,7 @@ class Tier:
         """Delete everything on the device; returns how many objects went."""
         removed = 0
         for device_key, _ in list(self.device.scan()):
-            removed += self._quietly(lambda k=device_key: self.device.delete(k))
+            removed += self._delete_quietly(device_key)
         self.index.rebuild([])
         return removed
 
@@ -218,17 +250,15 @@ class Tier:
 
     # -- internals ---------------------------------------------------------
 
-    def _read_part_fn(self, key: bytes, into: memoryview | None) -> Callable[[ChunkKey], memoryview | None]:
-        """A reader of one device object; fragment 0 lands in ``into`` when it fits."""
+    def _read_part_fn(self, key: bytes, source: BufferSource) -> Callable[[ChunkKey], memoryview | None]:
+        """A reader of one device object; fragment 0 lands in a buffer from ``source``."""
 
         def read_part(device_key: ChunkKey) -> memoryview | None:
             size = self.device.size(device_key)
             if size is None:
                 return None
-            if device_key == key and into is not None and into.nbytes >= size:
-                buffer = into[:size]
-            else:
-                buffer = memoryview(bytearray(size))
+            buffer = source(size) if device_key == key else new_buffer(size)
+            assert buffer.nbytes == size, (buffer.nbytes, size)
             got = self.device.get(device_key, buffer)
             return None if got is None else buffer[:got]
 
@@ -247,14 +277,15 @@ class Tier:
     def _delete_parts(self, key: bytes, parts: int) -> None:
         for index in range(parts):
             device_key = key if index == 0 else fragment_key(key, index)
-            self._quietly(lambda k=device_key: self.device.delete(k))
+            self._delete_quietly(device_key)
 
-    def _quietly(self, operation: Callable[[], bool]) -> int:
+    def _delete_quietly(self, device_key: bytes) -> bool:
+        """Delete one device object; a fault is fed to the breaker, not raised."""
         try:
-            return int(operation())
+            return self.device.delete(device_key)
         except DeviceError as err:
             self._fault("delete", err)
-            return 0
+            return False
 
     def _ok(self) -> None:
         before = self.breaker.state

@@ -1,0 +1,119 @@
+"""The circuit breaker: opens above the failure ratio, cools down, tries once, closes or reopens.
+
+Time is an injected fake clock that the test moves by hand: the breaker's
+behaviour over time is tested without waiting for it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvharbor.cache.breaker import BreakerSettings, BreakerState, CircuitBreaker
+
+# Opens when more than 2 of the last 10 operations failed.
+SETTINGS = BreakerSettings(failure_ratio=0.2, window=10, cooldown_s=30.0)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def breaker(clock: FakeClock) -> CircuitBreaker:
+    return CircuitBreaker(SETTINGS, clock=clock)
+
+
+def record_all(breaker: CircuitBreaker, outcomes: str) -> list[BreakerState]:
+    """Record outcomes written as a string: ``.`` success, ``x`` failure."""
+    return [breaker.record(c == ".") for c in outcomes]
+
+
+def open_breaker(breaker: CircuitBreaker) -> None:
+    record_all(breaker, "xxxxxxxxxx")
+    assert breaker.state is BreakerState.OPEN
+
+
+def test_opens_above_the_ratio_once_the_window_is_full(breaker: CircuitBreaker) -> None:
+    # Three failures straight away are above 20 %, but nine operations are too
+    # few to judge: the breaker waits for a full window.
+    states = record_all(breaker, "xxx......" + ".")
+    assert states[:9] == [BreakerState.CLOSED] * 9
+    assert states[9] is BreakerState.OPEN
+    assert breaker.allow() is False
+    assert breaker.opened_total == 1
+
+
+def test_stays_closed_at_or_below_the_ratio(breaker: CircuitBreaker) -> None:
+    # Exactly 2 of every 10 fail, forever: at the ratio is not above it.
+    states = record_all(breaker, "x....x...." * 20)
+    assert set(states) == {BreakerState.CLOSED}
+    assert breaker.allow() is True
+
+
+def test_old_failures_leave_the_window(breaker: CircuitBreaker) -> None:
+    # Six failures in all, but never more than two within any ten in a row.
+    states = record_all(breaker, "xx" + "." * 8 + "xx" + "." * 8 + "xx")
+    assert set(states) == {BreakerState.CLOSED}
+    assert breaker.record(False) is BreakerState.OPEN  # Now 3 of the last 10.
+
+
+def test_cooldown_then_half_open_allows_exactly_one_trial(breaker: CircuitBreaker, clock: FakeClock) -> None:
+    open_breaker(breaker)
+    clock.now += SETTINGS.cooldown_s - 0.001
+    assert breaker.state is BreakerState.OPEN
+    assert breaker.allow() is False
+    clock.now += 0.001
+    assert breaker.state is BreakerState.HALF_OPEN
+    assert breaker.allow() is True
+    assert [breaker.allow() for _ in range(5)] == [False] * 5  # One trial at a time.
+
+
+def test_a_successful_trial_closes_and_starts_a_fresh_window(breaker: CircuitBreaker, clock: FakeClock) -> None:
+    open_breaker(breaker)
+    clock.now += SETTINGS.cooldown_s
+    assert breaker.allow()
+    assert breaker.record(True) is BreakerState.CLOSED
+    assert all(breaker.allow() for _ in range(5))
+    # The failures from before are forgotten: three new ones wait for a full window again.
+    assert set(record_all(breaker, "xxx")) == {BreakerState.CLOSED}
+
+
+def test_a_failed_trial_reopens_for_a_whole_cooldown(breaker: CircuitBreaker, clock: FakeClock) -> None:
+    open_breaker(breaker)
+    clock.now += SETTINGS.cooldown_s
+    assert breaker.allow()
+    assert breaker.record(False) is BreakerState.OPEN
+    assert breaker.opened_total == 2
+    clock.now += SETTINGS.cooldown_s / 2
+    assert breaker.state is BreakerState.OPEN  # The cooldown restarted at the failed trial.
+    clock.now += SETTINGS.cooldown_s / 2
+    assert breaker.state is BreakerState.HALF_OPEN
+
+
+def test_outcomes_that_straggle_in_while_open_change_nothing(breaker: CircuitBreaker, clock: FakeClock) -> None:
+    open_breaker(breaker)
+    assert breaker.record(True) is BreakerState.OPEN
+    clock.now += SETTINGS.cooldown_s
+    assert breaker.state is BreakerState.HALF_OPEN
+
+
+def test_a_cancelled_trial_is_handed_back(breaker: CircuitBreaker, clock: FakeClock) -> None:
+    # An allowed operation that never reached storage (e.g. a value over the
+    # tier budget) reports no outcome; without `cancel` the breaker would stay
+    # half-open with its one trial taken, skipping the tier for good.
+    open_breaker(breaker)
+    clock.now += SETTINGS.cooldown_s
+    assert breaker.allow()
+    assert breaker.allow() is False
+    breaker.cancel()
+    assert breaker.state is BreakerState.HALF_OPEN
+    assert breaker.allow() is True

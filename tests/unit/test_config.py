@@ -1,0 +1,159 @@
+"""The config: defaults, YAML, environment overrides, and refusals that name the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvharbor.config import (
+    TIER_TYPES,
+    ConfigError,
+    FileTierSection,
+    RamTierSection,
+    load_config,
+    validate_config,
+)
+from kvharbor.hal.registry import device_types
+
+
+def write_yaml(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "kvharbor.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_the_defaults_are_a_valid_config() -> None:
+    config = load_config(environ={})
+    assert config.engine.chunk_size == 256
+    assert config.engine.key_namespace == "default"
+    assert config.gateway.mode == "embedded"
+    assert config.gateway.ring_mb >= config.gateway.ring_mb_min
+    assert [(t.name, t.type) for t in config.storage.tiers] == [("ram", "ram"), ("local", "file")]
+    assert config.storage.backpressure.circuit_breaker.failure_ratio == 0.2
+    assert config.card.fragment_bytes == 2 * 1024 * 1024
+
+
+def test_a_yaml_file_is_loaded(tmp_path: Path) -> None:
+    path = write_yaml(
+        tmp_path,
+        """
+engine:
+  chunk_size: 128
+  key_namespace: team-a
+storage:
+  write_policy: write_back
+  tiers:
+    - {name: hot, type: ram, capacity_gb: 2}
+    - {name: disk, type: file, path: /var/cache/kv, capacity_gb: 50, codec: zstd}
+  backpressure:
+    circuit_breaker: {failure_ratio: 0.5, window: 20, cooldown_s: 5}
+""",
+    )
+    config = load_config(path, environ={})
+    assert (config.engine.chunk_size, config.engine.key_namespace) == (128, "team-a")
+    hot, disk = config.storage.tiers
+    assert isinstance(hot, RamTierSection) and hot.capacity_bytes == 2 << 30
+    assert isinstance(disk, FileTierSection) and (disk.path, disk.codec) == ("/var/cache/kv", "zstd")
+    assert config.storage.write_policy == "write_back"
+    assert config.storage.backpressure.circuit_breaker.window == 20
+    assert config.gateway.ring_mb == 1024  # Untouched sections keep their defaults.
+
+
+def test_the_file_can_be_named_by_environment(tmp_path: Path) -> None:
+    path = write_yaml(tmp_path, "engine: {chunk_size: 64}\n")
+    assert load_config(environ={"KVHARBOR_CONFIG": str(path)}).engine.chunk_size == 64
+
+
+def test_an_environment_override_wins_over_the_file(tmp_path: Path) -> None:
+    path = write_yaml(tmp_path, "engine: {chunk_size: 128, require_cache_salt: false}\n")
+    environ = {
+        "KVHARBOR__ENGINE__CHUNK_SIZE": "512",
+        "KVHARBOR__ENGINE__REQUIRE_CACHE_SALT": "true",
+        "KVHARBOR__DASHBOARD__AUTH_TOKEN": "s3cret",
+    }
+    config = load_config(path, environ=environ)
+    assert config.engine.chunk_size == 512
+    assert config.engine.require_cache_salt is True
+    assert config.dashboard.auth_token == "s3cret"
+
+
+def _tiers(*tiers: dict[str, Any]) -> dict[str, Any]:
+    return {"storage": {"tiers": list(tiers)}}
+
+
+@pytest.mark.parametrize(
+    ("data", "named"),
+    [
+        pytest.param(
+            _tiers({"name": "t", "type": "tape", "capacity_gb": 1}),
+            ["storage.tiers", "unknown tier type 'tape'", "ram", "file"],
+            id="unknown tier type",
+        ),
+        pytest.param(
+            _tiers({"name": "ram", "type": "ram", "capacity_gb": -1}),
+            ["storage.tiers", "tiers[0]", "capacity_gb", "greater than 0"],
+            id="negative capacity",
+        ),
+        pytest.param({"engine": {"chunk_sise": 256}}, ["engine.chunk_sise", "not permitted"], id="unknown key"),
+        pytest.param({"engine": {"chunk_size": "big"}}, ["engine.chunk_size", "'big'"], id="wrong type"),
+        pytest.param({"gateway": {"mode": "sidecar"}}, ["gateway.mode", "'sidecar'"], id="bad choice"),
+        pytest.param(
+            _tiers(
+                {"name": "ram", "type": "ram", "capacity_gb": 1},
+                {"name": "ram", "type": "file", "path": "/x", "capacity_gb": 1},
+            ),
+            ["storage.tiers", "unique", "ram"],
+            id="duplicate tier names",
+        ),
+        pytest.param(
+            _tiers({"name": "disk", "type": "file", "capacity_gb": 1}),
+            ["storage.tiers", "tiers[0] (disk)", "path"],
+            id="file tier without path",
+        ),
+        pytest.param(
+            {"gateway": {"ring_mb": 32, "ring_mb_min": 64}},
+            ["gateway.ring_mb", "gateway.ring_mb_min"],
+            id="ring below its minimum",
+        ),
+    ],
+)
+def test_a_bad_value_is_refused_naming_the_key(data: dict[str, Any], named: list[str]) -> None:
+    with pytest.raises(ConfigError) as caught:
+        validate_config(data)
+    message = str(caught.value)
+    for part in named:
+        assert part in message
+
+
+def test_a_bad_environment_override_names_the_key() -> None:
+    with pytest.raises(ConfigError, match=r"gateway\.ring_mb: .*'lots'"):
+        load_config(environ={"KVHARBOR__GATEWAY__RING_MB": "lots"})
+
+
+def test_a_missing_file_is_named(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError, match=f"{missing} does not exist"):
+        load_config(missing, environ={})
+
+
+def test_invalid_yaml_is_named(tmp_path: Path) -> None:
+    path = write_yaml(tmp_path, "engine: {chunk_size: 256\n")
+    with pytest.raises(ConfigError, match=f"{path} is not valid YAML"):
+        load_config(path, environ={})
+
+
+def test_a_file_that_is_not_a_mapping_is_refused(tmp_path: Path) -> None:
+    path = write_yaml(tmp_path, "- just\n- a list\n")
+    with pytest.raises(ConfigError, match="mapping at the top level"):
+        load_config(path, environ={})
+
+
+def test_a_config_error_is_a_value_error() -> None:
+    # The CLI turns ValueError into "kvharbor: error: ..." and exit status 2.
+    assert issubclass(ConfigError, ValueError)
+
+
+def test_config_and_hal_registry_know_the_same_tier_types() -> None:
+    assert sorted(TIER_TYPES) == device_types()
