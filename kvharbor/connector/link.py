@@ -18,6 +18,7 @@ that request.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -119,11 +120,13 @@ class CacheLink:
         fingerprint: bytes,
         items: Sequence[tuple[bytes, int]],
         fill: Callable[[int, memoryview], None],
+        on_filled: Callable[[], None] | None = None,
     ) -> int:
         """Store values of the given (key, size): ``fill(i, view)`` writes value i.
 
         Returns how many the gateway stored; values already stored are skipped
-        without being filled.
+        without being filled. ``on_filled`` runs once every value is copied and
+        before the (slower) commit: the caller's source buffers are free then.
         """
         client = self._get_client()
         if client is None or not items:
@@ -135,12 +138,15 @@ class CacheLink:
                     self.counters.skipped_chunks += 1
                     continue
                 fill(i, view)
+            if on_filled is not None:
+                on_filled()
             stored = client.commit_put(batch)
         except GatewayError as err:
             self._failed(err)
             return 0
         self.counters.stored_chunks += stored
-        self.counters.stored_bytes += sum(size for (_, size), v in zip(items, batch.views, strict=True) if v is not None)
+        copied = [size for (_, size), view in zip(items, batch.views, strict=True) if view is not None]
+        self.counters.stored_bytes += sum(copied)
         return stored
 
     def close(self) -> None:
@@ -181,7 +187,5 @@ class CacheLink:
             logging.ERROR,
         )
         if with_client is not None:
-            try:
+            with contextlib.suppress(OSError):
                 with_client.close()
-            except OSError:
-                pass

@@ -17,6 +17,19 @@ def get_logger(name: str) -> logging.Logger:
     return logging.getLogger(name)
 
 
+def attach_to_engine_log(level: int = logging.INFO) -> None:
+    """Make ``kvharbor.*`` lines appear in a host process (an engine) that configured
+    logging only for its own loggers. Does nothing if the root logger or
+    ``kvharbor`` already has a handler."""
+    root = logging.getLogger("kvharbor")
+    if root.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(message)s", "%m-%d %H:%M:%S"))
+    root.addHandler(handler)
+    root.setLevel(level)
+
+
 class OnceLog:
     """Says each named condition once, until `clear` re-arms it."""
 

@@ -1,0 +1,171 @@
+"""`KVHarborConnector`: kvharbor as a vLLM KV connector (both roles).
+
+vLLM builds one instance in the scheduler process (``role=SCHEDULER``) and one
+in every worker (``role=WORKER``); each delegates to its half
+(`SchedulerSide`, `WorkerSide`). Both build the same `VllmLayout` from the
+engine's config, so the keys the scheduler looks up are the keys the workers
+store under.
+
+Enable it with ``KVHARBOR=1`` (see `plugin`) or explicitly::
+
+    --kv-transfer-config '{"kv_connector": "KVHarborConnector",
+        "kv_connector_module_path": "kvharbor.connector.vllm.connector",
+        "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}'
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from kvharbor.config import ConfigError
+from kvharbor.connector.link import CacheLink
+from kvharbor.connector.vllm.layout import ConnectorRefusal, build_layout
+from kvharbor.connector.vllm.metadata import KVHarborMetadata
+from kvharbor.connector.vllm.scheduler import SchedulerSide
+from kvharbor.connector.vllm.settings import config_from_extra
+from kvharbor.connector.vllm.stats import KVHarborStats
+from kvharbor.connector.vllm.worker import WorkerSide
+from kvharbor.telemetry.log import attach_to_engine_log, get_logger
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+_log = get_logger("kvharbor.connector.vllm")
+
+
+class KVHarborConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        attach_to_engine_log()
+        transfer = vllm_config.kv_transfer_config
+        assert transfer is not None, "vLLM builds a connector only with a kv_transfer_config"
+        try:
+            self.config = config_from_extra(transfer.kv_connector_extra_config)
+            self.layout = build_layout(vllm_config, kv_cache_config, self.config)
+        except (ConfigError, ConnectorRefusal) as err:
+            raise RuntimeError(f"kvharbor: the connector refuses to start: {err}") from None
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._insist_on_recompute(transfer)
+            link = CacheLink(self.config, f"vllm-scheduler pid {os.getpid()}")
+            self._scheduler = SchedulerSide(self.layout, self.config, link)
+            _log.info(
+                "kvharbor: connector on (scheduler): chunk %d tokens = %d blocks, %d rank(s), namespace %s",
+                self.layout.chunk_size, self.layout.blocks_per_chunk, self.layout.ranks,
+                self.config.engine.key_namespace,
+            )  # fmt: skip
+        else:
+            rank = self.layout.rank_index(*_worker_ranks())
+            name = f"vllm-worker rank {rank} pid {os.getpid()}"
+            self._worker = WorkerSide(
+                self.layout, self.config, CacheLink(self.config, name + " load"),
+                CacheLink(self.config, name + " save"), rank,
+            )  # fmt: skip
+
+    @staticmethod
+    def _insist_on_recompute(transfer: Any) -> None:
+        """A chunk that cannot be loaded must be recomputed, never fail the request."""
+        if getattr(transfer, "kv_load_failure_policy", "recompute") == "recompute":
+            return
+        transfer.kv_load_failure_policy = "recompute"
+        _log.warning(
+            "kvharbor: kv_load_failure_policy 'fail' changed to 'recompute': a chunk the cache cannot "
+            "deliver is recomputed, it never fails a request"
+        )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # A best-effort cache: a dropped save is only a future miss.
+
+    # -- scheduler role ------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_meta(scheduler_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request)
+
+    def take_events(self) -> Iterable[Any]:
+        return ()
+
+    # -- worker role -------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        try:
+            self._worker.register(kv_caches, int(self._kv_cache_config.num_blocks))
+        except ConnectorRefusal as err:
+            raise RuntimeError(f"kvharbor: the connector refuses to start: {err}") from None
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVHarborMetadata)
+        self._worker.load(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads finish in `start_load_kv`, before the forward pass."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        """Saves copy every layer at once in `wait_for_save`."""
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVHarborMetadata)
+        self._worker.save(meta)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_errors() if self._worker is not None else set()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._worker is None:
+            return None
+        stats = KVHarborStats(data=self._worker.take_stats())
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVHarborStats(data=dict(data) if data else {})
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.link.close()
+
+
+def _worker_ranks() -> tuple[int, int]:
+    """(tensor-parallel rank, pipeline rank) of this worker."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+    from vllm.distributed.parallel_state import get_pp_group
+
+    return get_tensor_model_parallel_rank(), get_pp_group().rank_in_group

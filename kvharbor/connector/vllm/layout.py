@@ -1,0 +1,174 @@
+"""What vLLM's configuration says about the bytes of a stored chunk.
+
+Both halves of the connector build the same `VllmLayout` from the same inputs
+(the engine's config and its KV cache config), so the scheduler can compute
+the keys that the workers store under. Everything that changes the bytes of a
+chunk enters the fingerprint: a different model, dtype, block size, chunk
+size, parallel layout, KV cache spec or device never shares a key.
+
+Checks that make the connector refuse to start live here too: a cache it
+cannot exchange is named, with the setting that fixes it, rather than being
+silently left uncached.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvharbor.cache.keys import ChunkKey, LayoutFingerprint, chunk_keys, max_hit_tokens
+from kvharbor.config import Config
+
+
+class ConnectorRefusal(Exception):
+    """The connector cannot run with this engine configuration; the text says why and what to change."""
+
+
+@dataclass(frozen=True, slots=True)
+class CacheGroup:
+    """One KV cache group as the connector sees it."""
+
+    index: int
+    kind: str
+    """The vLLM spec class name: FullAttentionSpec, SlidingWindowSpec, MambaSpec, ..."""
+    layer_names: tuple[str, ...]
+    page_bytes: int
+    descriptor: str
+
+
+def describe_groups(kv_cache_config: Any) -> list[CacheGroup]:
+    groups = []
+    for index, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        kind = type(spec).__name__
+        fields = [f"bs={spec.block_size}", f"page={spec.page_size_bytes}"]
+        for name in ("num_kv_heads", "head_size", "head_size_v", "dtype", "sliding_window", "kv_quant_mode"):
+            value = getattr(spec, name, None)
+            if value is not None:
+                fields.append(f"{name}={value}")
+        descriptor = f"{kind}[{len(group.layer_names)}]({','.join(fields)})"
+        groups.append(CacheGroup(index, kind, tuple(group.layer_names), int(spec.page_size_bytes), descriptor))
+    return groups
+
+
+_EXCHANGEABLE = {"FullAttentionSpec"}
+"""Spec kinds whose pages the connector knows how to store and restore."""
+
+
+def check_groups(groups: Sequence[CacheGroup], vllm_config: Any, num_gpu_blocks: int) -> None:
+    """Refuse, naming the cache, when a group cannot be exchanged safely."""
+    mamba = [g for g in groups if "Mamba" in g.kind]
+    if mamba:
+        watermark = float(getattr(vllm_config.scheduler_config, "watermark", 0.0) or 0.0)
+        check_mamba_reserve(len(mamba), watermark, num_gpu_blocks)
+    foreign = [g for g in groups if g.kind not in _EXCHANGEABLE]
+    if foreign:
+        first: dict[str, CacheGroup] = {}
+        for group in foreign:
+            first.setdefault(group.kind, group)
+        names = "; ".join(f"group {g.index} {g.kind} (layer {g.layer_names[0]})" for g in first.values())
+        raise ConnectorRefusal(
+            f"KV cache registry: {len(foreign)} of {len(groups)} cache group(s) have no writer the connector "
+            f"can reach; first of each kind: {names}. kvharbor exchanges full-attention caches only: it refuses "
+            "to start rather than silently cache nothing. Run this model without kvharbor, and tell us the "
+            "model and this line"
+        )
+
+
+def check_mamba_reserve(mamba_groups: int, watermark: float, num_gpu_blocks: int) -> None:
+    """Hybrid models need int(watermark x num_gpu_blocks) >= number of Mamba groups free
+    at admission: each Mamba group takes one block for a restored state that vLLM's
+    admission check does not count."""
+    reserve = int(watermark * num_gpu_blocks)
+    if reserve < mamba_groups:
+        needed = mamba_groups / max(num_gpu_blocks, 1)
+        raise ConnectorRefusal(
+            f"this hybrid model has {mamba_groups} Mamba group(s) but the admission reserve "
+            f"int(watermark {watermark} x {num_gpu_blocks} blocks) = {reserve} is smaller: restored requests "
+            f"would stop with 'Cannot get N free blocks'. Start vLLM with --watermark={max(0.02, needed):.4g} "
+            f"or more (W >= {mamba_groups} / {num_gpu_blocks})"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class VllmLayout:
+    chunk_size: int
+    block_size: int
+    tp_size: int
+    pp_size: int
+    fingerprints: tuple[LayoutFingerprint, ...]
+    """One per rank, indexed by `rank_index`."""
+    digests: tuple[bytes, ...]
+    groups: tuple[CacheGroup, ...]
+
+    @property
+    def blocks_per_chunk(self) -> int:
+        return self.chunk_size // self.block_size
+
+    @property
+    def ranks(self) -> int:
+        return self.tp_size * self.pp_size
+
+    def rank_index(self, tp_rank: int, pp_rank: int) -> int:
+        assert 0 <= tp_rank < self.tp_size and 0 <= pp_rank < self.pp_size
+        return pp_rank * self.tp_size + tp_rank
+
+    def keys(self, token_ids: Sequence[int], salt: str | None) -> list[list[ChunkKey]]:
+        """Per rank, the chunk keys of every full chunk of ``token_ids``."""
+        return [chunk_keys(digest, self.chunk_size, token_ids, salt) for digest in self.digests]
+
+    def max_hit_tokens(self, num_tokens: int) -> int:
+        return max_hit_tokens(num_tokens, self.chunk_size)
+
+
+def build_layout(vllm_config: Any, kv_cache_config: Any, config: Config) -> VllmLayout:
+    """The layout of this engine; raises `ConnectorRefusal` for what cannot work."""
+    cache = vllm_config.cache_config
+    model = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    chunk_size = config.engine.chunk_size
+    block_size = int(cache.block_size)
+    if chunk_size % block_size:
+        raise ConnectorRefusal(
+            f"engine.chunk_size {chunk_size} must be a multiple of vLLM's block size {block_size}: "
+            f"set engine.chunk_size to {max(1, chunk_size // block_size) * block_size} "
+            f"or --block-size to a divisor of {chunk_size}"
+        )
+    groups = describe_groups(kv_cache_config)
+    check_groups(groups, vllm_config, int(kv_cache_config.num_blocks))
+    tp_size = int(parallel.tensor_parallel_size)
+    pp_size = int(parallel.pipeline_parallel_size)
+    device = str(getattr(vllm_config.device_config, "device_type", "") or "")
+    extra = (
+        ("block_size", str(block_size)),
+        ("device", device),
+        ("dtype", str(model.dtype)),
+        ("kv_cache_layout", str(getattr(kv_cache_config, "kv_cache_layout", None))),
+        ("tokenizer", str(getattr(model, "tokenizer", ""))),
+    )
+    fingerprints = tuple(
+        LayoutFingerprint(
+            model_id=str(model.model),
+            model_revision=str(model.revision or ""),
+            kv_dtype=str(cache.cache_dtype),
+            kv_shapes=tuple(g.descriptor for g in groups),
+            tp_size=tp_size,
+            tp_rank=tp_rank,
+            pp_rank=pp_rank,
+            chunk_size=chunk_size,
+            key_namespace=config.engine.key_namespace,
+            extra=extra,
+        )
+        for pp_rank in range(pp_size)
+        for tp_rank in range(tp_size)
+    )
+    return VllmLayout(
+        chunk_size=chunk_size,
+        block_size=block_size,
+        tp_size=tp_size,
+        pp_size=pp_size,
+        fingerprints=fingerprints,
+        digests=tuple(f.digest() for f in fingerprints),
+        groups=tuple(groups),
+    )

@@ -1,0 +1,43 @@
+"""What the scheduler tells the workers each step: which chunks to load and to save.
+
+Built once per step by the scheduler half and delivered to every worker
+(pickled across processes), so it holds only plain data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkTransfer:
+    """Consecutive chunks of one request and the blocks that hold them.
+
+    ``keys[rank][i]`` names chunk i of this transfer for that rank;
+    ``block_ids`` lists the blocks of those chunks in order, ``blocks_per_chunk``
+    to a chunk. A load may cover only part of its first chunk (blocks vLLM's
+    own prefix cache already filled: ``skip_blocks``) and of its last (a load
+    stops one token short of the prompt so vLLM computes the last position).
+    """
+
+    request_id: str
+    keys: Sequence[Sequence[bytes]]
+    block_ids: list[int]
+    skip_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        assert self.keys and all(len(k) == len(self.keys[0]) for k in self.keys), "one key list per rank"
+        assert self.skip_blocks >= 0, self.skip_blocks
+
+    @property
+    def chunks(self) -> int:
+        return len(self.keys[0])
+
+
+@dataclass
+class KVHarborMetadata(KVConnectorMetadata):
+    loads: list[ChunkTransfer] = field(default_factory=list)
+    saves: list[ChunkTransfer] = field(default_factory=list)

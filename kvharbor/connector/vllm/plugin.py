@@ -1,0 +1,78 @@
+"""vLLM plugin entry point: ``KVHARBOR=1`` turns the connector on.
+
+vLLM runs `register` in each of its processes (entry point group
+``vllm.general_plugins``). vLLM has no environment variable for a KV transfer
+config, so `register` wraps ``EngineArgs.create_engine_config``: when the user
+gave no ``--kv-transfer-config`` and ``KVHARBOR=1``, it fills one in. The
+config built there travels to the engine core and the workers, so wrapping
+it in the front-end process is enough. An explicit ``--kv-transfer-config``
+always wins, and a log line says so.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from kvharbor.connector.vllm.compat import SUPPORTED, version_supported, vllm_version
+from kvharbor.telemetry.log import OnceLog, attach_to_engine_log, get_logger
+
+ENV_ENABLE = "KVHARBOR"
+CONNECTOR_NAME = "KVHarborConnector"
+CONNECTOR_MODULE = "kvharbor.connector.vllm.connector"
+
+_log = get_logger("kvharbor.connector.vllm")
+_once = OnceLog(_log)
+_MARK = "__kvharbor_wrapped__"
+
+
+def enabled(environ: os._Environ[str] | dict[str, str] | None = None) -> bool:
+    value = (environ if environ is not None else os.environ).get(ENV_ENABLE, "").strip().lower()
+    return value not in ("", "0", "false", "no", "off")
+
+
+def transfer_config() -> dict[str, Any]:
+    """The KV transfer config that ``KVHARBOR=1`` stands for."""
+    return {
+        "kv_connector": CONNECTOR_NAME,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+    }
+
+
+def register() -> None:
+    if not enabled():
+        return
+    attach_to_engine_log()
+    if not version_supported():
+        _once.say(
+            "version",
+            f"KVHARBOR=1 but vLLM {vllm_version()} is outside the supported range {SUPPORTED}; "
+            "the external KV cache stays off",
+        )
+        return
+    from vllm.engine.arg_utils import EngineArgs
+
+    original = EngineArgs.create_engine_config
+    if getattr(original, _MARK, False):
+        return
+
+    def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.kv_transfer_config is None:
+            from vllm.config import KVTransferConfig
+
+            self.kv_transfer_config = KVTransferConfig(**transfer_config())
+            _once.say("on", "KVHARBOR=1: the kvharbor KV connector is on", level=20)
+        else:
+            given = getattr(self.kv_transfer_config, "kv_connector", self.kv_transfer_config)
+            if given != CONNECTOR_NAME:
+                _once.say(
+                    "explicit",
+                    f"KVHARBOR=1 but an explicit --kv-transfer-config ({given}) was given; it wins and "
+                    "kvharbor stays off. Remove it, or configure KVHarborConnector in it",
+                )
+        return original(self, *args, **kwargs)
+
+    setattr(create_engine_config, _MARK, True)
+    EngineArgs.create_engine_config = create_engine_config  # type: ignore[method-assign]

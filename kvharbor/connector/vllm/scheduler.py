@@ -1,0 +1,176 @@
+"""The scheduler half: how much of a prompt is stored, and which chunks move each step.
+
+Per request it computes the chunk keys once (for every rank), asks the gateway
+how many leading chunks *all* ranks hold (one batched lookup with the ranks'
+keys interleaved), and plans:
+
+- a load of the stored chunks past vLLM's own prefix-cache hit, bounded by
+  floor(N / chunk_size) x chunk_size and stopped one token short of the
+  prompt, because vLLM must compute the last prompt position itself;
+- a save of each prompt chunk the step completes, once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvharbor.cache.keys import ChunkKey
+from kvharbor.config import Config
+from kvharbor.connector.link import CacheLink
+from kvharbor.connector.vllm.layout import VllmLayout
+from kvharbor.connector.vllm.metadata import ChunkTransfer, KVHarborMetadata
+from kvharbor.telemetry.log import OnceLog, get_logger
+
+_log = get_logger("kvharbor.connector.vllm")
+
+
+@dataclass(slots=True)
+class _Request:
+    keys: list[list[ChunkKey]]
+    """Per rank, the keys of the prompt's full chunks."""
+    prompt_tokens: int
+    block_ids: list[int] = field(default_factory=list)
+    saved_chunks: int = 0
+    """Chunks already planned for saving (or known to be stored)."""
+    load: ChunkTransfer | None = None
+
+
+@dataclass(slots=True)
+class SchedulerCounters:
+    unsalted_skipped: int = 0
+    """Requests neither looked up nor stored because require_cache_salt is on and they had no salt."""
+    bad_salt_skipped: int = 0
+    short_prompts: int = 0
+    """Prompts shorter than one chunk: nothing to look up."""
+
+
+class SchedulerSide:
+    def __init__(self, layout: VllmLayout, config: Config, link: CacheLink) -> None:
+        self.layout = layout
+        self.config = config
+        self.link = link
+        self.counters = SchedulerCounters()
+        self._requests: dict[str, _Request] = {}
+        self._loads: list[ChunkTransfer] = []
+        self._once = OnceLog(_log)
+
+    # -- admission ---------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        """External tokens loadable past ``num_computed_tokens``; loads are synchronous."""
+        state = self._request(request)
+        if state is None or not state.keys[0]:
+            return 0, False
+        ranks = self.layout.ranks
+        interleaved = [state.keys[r][i] for i in range(len(state.keys[0])) for r in range(ranks)]
+        hit_chunks = self.link.lookup(interleaved, self.layout.chunk_size // ranks or 1) // ranks
+        state.saved_chunks = max(state.saved_chunks, hit_chunks)  # Stored already: never re-save.
+        block = self.layout.block_size
+        end = min(hit_chunks * self.layout.chunk_size, ((request.num_tokens - 1) // block) * block)
+        assert end <= self.layout.max_hit_tokens(request.num_tokens)
+        return max(0, end - num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        state = self._requests.get(request.request_id)
+        if state is None or num_external_tokens <= 0:
+            return
+        block = self.layout.block_size
+        per_chunk = self.layout.blocks_per_chunk
+        block_ids = list(blocks.get_block_ids()[0])
+        start_block = request.num_computed_tokens // block
+        end_block = (request.num_computed_tokens + num_external_tokens) // block
+        assert (request.num_computed_tokens + num_external_tokens) % block == 0
+        first_chunk, last_chunk = start_block // per_chunk, -(-end_block // per_chunk)
+        load = ChunkTransfer(
+            request_id=request.request_id,
+            keys=[keys[first_chunk:last_chunk] for keys in state.keys],
+            block_ids=block_ids[start_block:end_block],
+            skip_blocks=start_block - first_chunk * per_chunk,
+        )
+        state.load = load
+        self._loads.append(load)
+
+    # -- each step ---------------------------------------------------------------
+
+    def build_meta(self, scheduler_output: Any) -> KVHarborMetadata:
+        meta = KVHarborMetadata(loads=self._loads)
+        self._loads = []
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is not None:
+                state.block_ids = list(new.block_ids[0])
+                self._plan_save(meta, new.req_id, state, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = _resumed(cached)
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if req_id in resumed:
+                state.block_ids = list(new_blocks[0]) if new_blocks else []
+            elif new_blocks:
+                state.block_ids.extend(new_blocks[0])
+            self._plan_save(meta, req_id, state, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+        return meta
+
+    def request_finished(self, request: Any) -> tuple[bool, None]:
+        """Saves copy their blocks within the step, so blocks are never held back."""
+        self._requests.pop(request.request_id, None)
+        return False, None
+
+    # -- internals ---------------------------------------------------------------
+
+    def _request(self, request: Any) -> _Request | None:
+        """The request's state, computing its keys once; None when it is not cached."""
+        state = self._requests.get(request.request_id)
+        if state is not None:
+            return state
+        salt = getattr(request, "cache_salt", None)
+        if salt is not None and not isinstance(salt, str):
+            self.counters.bad_salt_skipped += 1
+            self._once.say("bad-salt", f"cache_salt must be a string, got {type(salt).__name__}; request not cached")
+            return None
+        if salt is None and self.config.engine.require_cache_salt:
+            self.counters.unsalted_skipped += 1
+            self._once.say(
+                "unsalted",
+                "engine.require_cache_salt is on: requests without a cache_salt are neither looked up nor stored",
+            )
+            return None
+        prompt = request.prompt_token_ids
+        if prompt is None:
+            return None  # Prompt embeddings: no token ids to key.
+        if len(prompt) < self.layout.chunk_size:
+            self.counters.short_prompts += 1
+        state = _Request(keys=self.layout.keys(prompt, salt), prompt_tokens=len(prompt))
+        self._requests[request.request_id] = state
+        return state
+
+    def _plan_save(self, meta: KVHarborMetadata, req_id: str, state: _Request, computed_after: int) -> None:
+        """Save the prompt chunks complete after this step that are not saved yet."""
+        per_chunk = self.layout.blocks_per_chunk
+        done = min(computed_after, state.prompt_tokens) // self.layout.chunk_size
+        done = min(done, len(state.block_ids) // per_chunk, len(state.keys[0]))
+        if done <= state.saved_chunks:
+            return
+        first = state.saved_chunks
+        meta.saves.append(
+            ChunkTransfer(
+                request_id=req_id,
+                keys=[keys[first:done] for keys in state.keys],
+                block_ids=state.block_ids[first * per_chunk : done * per_chunk],
+            )
+        )
+        state.saved_chunks = done
+
+
+def _resumed(cached: Any) -> set[str]:
+    """Requests resumed from preemption this step (0.32: a set; 0.26: a flag list)."""
+    ids = getattr(cached, "resumed_req_ids", None)
+    if ids is not None:
+        return set(ids)
+    flags = getattr(cached, "resumed_from_preemption", None) or []
+    return {req_id for req_id, flag in zip(cached.req_ids, flags, strict=False) if flag}
