@@ -80,7 +80,8 @@ def open_tier(section: TierSection, config: Config) -> Tier:
         raise
     cb = storage.backpressure.circuit_breaker
     breaker = CircuitBreaker(BreakerSettings(cb.failure_ratio, cb.window, cb.cooldown_s))
-    return Tier(section.name, device, index, section.capacity_bytes, breaker, codec, section.type)
+    reopen = (lambda: open_index(device, section.name)) if isinstance(device, PersistentDevice) else None
+    return Tier(section.name, device, index, section.capacity_bytes, breaker, codec, section.type, reopen)
 
 
 def open_store(config: Config, start_clean: bool = False) -> TieredStore:

@@ -91,21 +91,26 @@ class MemoryIndex(TierIndex):
 
     def admit(self, entry: Entry, budget_bytes: int, pinned: frozenset[bytes] = frozenset()) -> list[Entry]:
         check_admission(entry, budget_bytes)
-        victims: list[Entry] = []
         with self._lock:
-            old = self._entries.pop(entry.key, None)
-            if old is not None:
-                self._used_bytes -= old.nbytes
-            for key in list(self._entries):
-                if self._used_bytes + entry.nbytes <= budget_bytes:
+            old = self._entries.get(entry.key)
+            used = self._used_bytes - (old.nbytes if old is not None else 0)
+            # Choose first, change after: a refusal must leave the index as it was.
+            victims: list[Entry] = []
+            for key, candidate in self._entries.items():
+                if used + entry.nbytes <= budget_bytes:
                     break
-                if key in pinned:
+                if key in pinned or key == entry.key:
                     continue
-                victim = self._entries.pop(key)
-                self._used_bytes -= victim.nbytes
-                victims.append(victim)
+                victims.append(candidate)
+                used -= candidate.nbytes
+            if used + entry.nbytes > budget_bytes:
+                raise OverBudget(f"{entry.nbytes} bytes do not fit the budget of {budget_bytes}: the rest is pinned")
+            for victim in victims:
+                del self._entries[victim.key]
+            self._entries.pop(entry.key, None)
             self._entries[entry.key] = entry
-            self._used_bytes += entry.nbytes
+            self._used_bytes = used + entry.nbytes
+        assert 0 < self._used_bytes <= budget_bytes
         return victims
 
     def touch(self, keys: Sequence[bytes]) -> None:

@@ -67,13 +67,16 @@ class TieredStore:
             present = [a or b for a, b in zip(present, tier.contains(keys), strict=True)]
         return present
 
-    def get(self, key: bytes, fingerprint: bytes, source: BufferSource = new_buffer) -> memoryview | None:
+    def get(
+        self, key: bytes, fingerprint: bytes, source: BufferSource = new_buffer, touch: bool = True
+    ) -> memoryview | None:
         """The verified value, or None; a hit below the first tier is promoted.
 
-        ``source`` supplies the buffer the stored object is read into (see `Tier.read`).
+        ``source`` supplies the buffer the stored object is read into (see
+        `Tier.read`); ``touch=False`` leaves recency to a later `touch`.
         """
         for depth, tier in enumerate(self.tiers):
-            value = tier.read(key, fingerprint, source)
+            value = tier.read(key, fingerprint, source, touch)
             if value is None:
                 continue
             for upper in reversed(self.tiers[:depth]):
@@ -93,6 +96,15 @@ class TieredStore:
         for tier in targets:
             stored |= self._write_tier(tier, key, fingerprint, value, pinned)
         return stored
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Mark ``keys`` used, the last most recently, in every tier that holds them.
+
+        Callers touch a prefix chain tail-first, so its head is evicted last:
+        evicting chunk 0 first would make every later chunk unreachable.
+        """
+        for tier in self.tiers:
+            tier.touch(keys)
 
     def delete(self, keys: Sequence[bytes]) -> None:
         for tier in self.tiers:

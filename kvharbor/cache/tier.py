@@ -18,7 +18,7 @@ from kvharbor.cache.breaker import BreakerState, CircuitBreaker
 from kvharbor.cache.format import HEADER_BYTES, Codec, CorruptObject, decode, encode, parse_header
 from kvharbor.cache.index import Entry, OverBudget, TierIndex
 from kvharbor.cache.keys import ChunkKey, fragment_key
-from kvharbor.hal.base import Buffer, Device, DeviceError, DeviceFull
+from kvharbor.hal.base import Buffer, BufferTooSmall, Device, DeviceCorrupt, DeviceError, DeviceFull
 from kvharbor.telemetry.log import OnceLog, get_logger
 
 _log = get_logger("kvharbor.cache.tier")
@@ -76,6 +76,7 @@ class Tier:
         breaker: CircuitBreaker,
         codec: Codec = Codec.NONE,
         device_type: str = "",
+        reopen_index: Callable[[], TierIndex] | None = None,
     ) -> None:
         assert capacity_bytes > 0, capacity_bytes
         self.name = name
@@ -85,6 +86,7 @@ class Tier:
         self.breaker = breaker
         self.codec = codec
         self.device_type = device_type or type(device).__name__
+        self._reopen_index = reopen_index
         self.counters = TierCounters()
         self._counter_lock = threading.Lock()
         self._once = OnceLog(_log)
@@ -95,16 +97,30 @@ class Tier:
         """Which keys the index says are here; an open breaker says none."""
         if self.breaker.state is BreakerState.OPEN:
             return [False] * len(keys)
-        return self.index.contains(keys)
+        try:
+            return self.index.contains(keys)
+        except DeviceError as err:
+            self._index_fault(err)
+            return [False] * len(keys)
 
-    def read(self, key: bytes, fingerprint: bytes, source: BufferSource = new_buffer) -> memoryview | None:
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Mark ``keys`` used, the last most recently (see `read`'s ``touch``)."""
+        try:
+            self.index.touch(keys)
+        except DeviceError as err:
+            self._index_fault(err)
+
+    def read(
+        self, key: bytes, fingerprint: bytes, source: BufferSource = new_buffer, touch: bool = True
+    ) -> memoryview | None:
         """The verified value under ``key``, or None (miss, corrupt, fault, breaker open).
 
         The object's first part is read into ``source(size)``; an uncompressed
         single-part value is returned as a view into that buffer, starting
         `HEADER_BYTES` in: no copy beyond the device's own. The gateway passes
         a source that hands out shared memory, so a hit lands where the client
-        reads it.
+        reads it. ``touch=False`` leaves recency to the caller, who can mark a
+        whole prefix at once, its head last (see `TieredStore.get_many`).
         """
         if not self._allow():
             return None
@@ -122,6 +138,8 @@ class Tier:
             self.delete([key])
             self._ok()  # The device answered; the bytes were bad.
             return None
+        except BufferTooSmall:
+            return None  # Rewritten larger between size and read by another process: a miss.
         except DeviceError as err:
             self._fault("read", err)
             return None
@@ -129,9 +147,10 @@ class Tier:
         if value is None:
             # The index said present, the device says gone (evicted by another
             # process, deleted by hand): forget it so lookups stop promising it.
-            self.index.remove([key])
+            self._remove_from_index([key])
             return None
-        self.index.touch([key])
+        if touch:
+            self.touch([key])
         self._count(hits=1, hit_bytes=value.nbytes)
         return value
 
@@ -175,6 +194,9 @@ class Tier:
             parts = encode(key, fingerprint, value, self.codec, self.device.max_value_bytes)
             entry = Entry(bytes(key), sum(p.nbytes for p in parts), len(parts))
             victims = self.index.admit(entry, self.capacity_bytes, pinned)
+        except DeviceError as err:
+            self._index_fault(err)
+            return False
         except (OverBudget, ValueError) as err:
             # Nothing reached the device, so there is no outcome to judge; a
             # half-open breaker gets its one trial back (else it stays half-open
@@ -215,8 +237,12 @@ class Tier:
 
     def delete(self, keys: Sequence[bytes]) -> None:
         for key in keys:
-            entry = self.index.get(key)
-            self.index.remove([key])
+            try:
+                entry = self.index.get(key)
+            except DeviceError as err:
+                self._index_fault(err)
+                entry = None
+            self._remove_from_index([key])
             self._delete_parts(key, entry.parts if entry else 1)
 
     def clear(self) -> int:
@@ -231,13 +257,18 @@ class Tier:
 
     def status(self) -> TierStatus:
         health = self.device.health()
+        try:
+            used_bytes, keys = self.index.used_bytes(), self.index.count()
+        except DeviceError as err:
+            self._index_fault(err)
+            used_bytes, keys = -1, -1
         return TierStatus(
             name=self.name,
             device_type=self.device_type,
             codec=self.codec.name.lower(),
             capacity_bytes=self.capacity_bytes,
-            used_bytes=self.index.used_bytes(),
-            keys=self.index.count(),
+            used_bytes=used_bytes,
+            keys=keys,
             health=health.state.value,
             health_detail=health.detail,
             breaker=self.breaker.state.value,
@@ -271,7 +302,7 @@ class Tier:
         return False
 
     def _forget(self, entry: Entry) -> None:
-        self.index.remove([entry.key])
+        self._remove_from_index([entry.key])
         self._delete_parts(entry.key, entry.parts)
 
     def _delete_parts(self, key: bytes, parts: int) -> None:
@@ -286,6 +317,24 @@ class Tier:
         except DeviceError as err:
             self._fault("delete", err)
             return False
+
+    def _remove_from_index(self, keys: Sequence[bytes]) -> None:
+        try:
+            self.index.remove(keys)
+        except DeviceError as err:
+            self._index_fault(err)
+
+    def _index_fault(self, err: DeviceError) -> None:
+        """The index (a manifest on disk) failed: a fault like any other, and a
+        damaged manifest is rebuilt from the device."""
+        self._fault("index", err)
+        if isinstance(err, DeviceCorrupt) and self._reopen_index is not None:
+            _log.warning("kvharbor: tier '%s': index damaged (%s); rebuilding it", self.name, err)
+            try:
+                self.index.close()
+                self.index = self._reopen_index()
+            except DeviceError as again:
+                self._fault("index rebuild", again)
 
     def _ok(self) -> None:
         before = self.breaker.state
