@@ -1,0 +1,44 @@
+"""What every benchmark shares: best-of timing and the ``--json`` closing line.
+
+Benchmarks print ratios against the physical limit and against peers measured
+in the same run; they never assert on time. The machines are noisy, so each
+figure is the best of several repetitions: the least disturbed run.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def best_seconds(work: Callable[[], object], repeats: int, min_s: float = 0.05) -> float:
+    """The fastest of ``repeats`` timings of ``work``, each looped for >= ``min_s``."""
+    loops = 1
+    while True:  # Calibrate: enough loops that one timing is well above timer noise.
+        start = time.perf_counter()
+        for _ in range(loops):
+            work()
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_s:
+            break
+        loops *= 2
+    best = elapsed / loops
+    for _ in range(repeats - 1):
+        start = time.perf_counter()
+        for _ in range(loops):
+            work()
+        best = min(best, (time.perf_counter() - start) / loops)
+    return best
+
+
+def emit(figures: dict[str, Any], ratios: dict[str, float], as_json: bool) -> None:
+    """Print the figures and ratios; with ``as_json`` end with them as one JSON line."""
+    width = max(len(name) for name in [*figures, *ratios])
+    for name, value in figures.items():
+        print(f"  {name:<{width}}  {value:,.3f}" if isinstance(value, float) else f"  {name:<{width}}  {value}")
+    for name, value in ratios.items():
+        print(f"  {name:<{width}}  {value:.3f}x")
+    if as_json:
+        print(json.dumps({"figures": figures, "ratios": ratios}))
