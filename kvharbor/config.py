@@ -62,7 +62,8 @@ class GatewaySection(_Section):
     ring_wait_ms: int = Field(200, ge=0, description="how long a transfer waits for ring space")
     ring_mb_min: int = Field(64, gt=0, description="refuse to start below this ring size")
     shm_reserve_mb: int = Field(64, ge=0, description="MiB of shm_dir left free for the engine (NCCL uses it)")
-    request_timeout_ms: int = Field(5000, gt=0, description="longest wait for one gateway reply")
+    request_timeout_ms: int = Field(5000, gt=0, description="longest silence of the gateway during one request")
+    progress_interval_ms: int = Field(1000, gt=0, description="how often a long request reports progress")
     connect_timeout_ms: int = Field(2000, gt=0)
     embedded_start_timeout_ms: int = Field(20000, gt=0)
     stop_timeout_ms: int = Field(5000, gt=0, description="how long a stopping gateway waits for requests in flight")
@@ -281,6 +282,13 @@ def validate_config(data: Mapping[str, Any], source: str = "config") -> Config:
         raise ConfigError(
             f"invalid kvharbor config ({source}): gateway.ring_wait_ms ({config.gateway.ring_wait_ms} ms) "
             f"must be below gateway.request_timeout_ms ({config.gateway.request_timeout_ms} ms)"
+        )
+    if config.gateway.progress_interval_ms >= config.gateway.request_timeout_ms:
+        # A long request must say it is alive before its client gives up on it.
+        raise ConfigError(
+            f"invalid kvharbor config ({source}): gateway.progress_interval_ms "
+            f"({config.gateway.progress_interval_ms} ms) must be below gateway.request_timeout_ms "
+            f"({config.gateway.request_timeout_ms} ms)"
         )
     if config.gateway.ring_mb < config.gateway.ring_mb_min:
         raise ConfigError(

@@ -140,7 +140,7 @@ class TieredStore:
         pinned: frozenset[bytes] = frozenset(),
     ) -> bool:
         on_evict = partial(self._demote, tier) if self.write_policy == "write_back" else None
-        return tier.write(key, fingerprint, value, pinned | {bytes(key)}, on_evict)
+        return tier.write(key, fingerprint, value, pinned if key in pinned else pinned | {bytes(key)}, on_evict)
 
     def _demote(self, tier: Tier, victims: Sequence[Entry]) -> None:
         """Write-back: move what ``tier`` evicts into the tier below it, if any."""

@@ -10,12 +10,32 @@ the shared memory:
 
 Every failure raises a `GatewayError`; deciding what a failure means for the
 engine (turn the cache off on this rank) is the connector's job.
+
+Restart rule: **the client never reconnects.** Once a call finds the gateway
+gone, hung past ``gateway.request_timeout_ms`` or talking nonsense
+(`GatewayUnavailable`), this client is down for good: every later call raises
+`GatewayUnavailable` at once, without touching the socket, so the connector
+keeps the external cache off on that rank until the engine restarts. A
+gateway restart therefore needs an engine restart too: stop the engine, then
+the gateway; start the gateway, then the engine. Reconnecting is not safe:
+
+- the new gateway has a new segment, so every view the engine still holds
+  into the old one would silently point at memory nobody reads;
+- a transfer cut off by the failure cannot be told apart from a new one, and
+  a put replayed against the new gateway could store half-written bytes;
+- the new gateway may be another release, and the handshake is the only
+  place a mismatch is caught.
+
+A refusal (`GatewayRefused`: a request the gateway judged bad, or BUSY) is
+not a failure of the gateway: the connection stays usable.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import struct
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,9 +46,22 @@ from kvharbor import __version__
 from kvharbor.config import GatewaySection
 from kvharbor.gateway import protocol as p
 from kvharbor.gateway.shm import Segment, ShmUnavailable
-from kvharbor.gateway.wire import PeerClosed, recv_message, send_message
+from kvharbor.gateway.wire import FrameReader, PeerClosed, send_message
 
 _Reply = TypeVar("_Reply", bound=p.Message)
+_TIMEVAL = struct.Struct("@ll")
+
+
+def _kernel_timeouts(sock: socket.socket, timeout_ms: int) -> None:
+    """Bound each send and receive in the kernel (SO_SNDTIMEO, SO_RCVTIMEO) on a blocking
+    socket. Python's own socket timeouts poll() before every call: two system calls
+    per send and per receive instead of one, on the path of every small request.
+    An expired timeout surfaces as `BlockingIOError`."""
+    assert timeout_ms > 0
+    timeval = _TIMEVAL.pack(timeout_ms // 1000, (timeout_ms % 1000) * 1000)
+    sock.settimeout(None)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
 
 
 class GatewayError(Exception):
@@ -36,7 +69,11 @@ class GatewayError(Exception):
 
 
 class GatewayUnavailable(GatewayError):
-    pass
+    """The gateway is gone, hung, unreachable or incoherent; the client is down for good."""
+
+
+class GatewayNotRunning(GatewayUnavailable):
+    """Nothing listens on the socket: the only case in which embedded mode starts a gateway."""
 
 
 class VersionMismatch(GatewayError):
@@ -68,12 +105,15 @@ class GetBatch:
 class GatewayClient:
     def __init__(self, sock: socket.socket, segment: Segment, hello: p.HelloOk, section: GatewaySection) -> None:
         self._sock = sock
+        self._reader = FrameReader(sock, section.message_bytes_max)
         self.segment = segment
         self.hello = hello
         self._section = section
         self._next_id = 1
         # One request in flight per connection: replies come back in order.
         self._lock = threading.Lock()
+        self._down: str | None = None
+        """Why the client is down for good (see the restart rule), or None."""
 
     @classmethod
     def connect(
@@ -90,11 +130,11 @@ class GatewayClient:
             sock.connect(section.socket)
         except OSError as err:
             sock.close()
-            raise GatewayUnavailable(f"no gateway answers at {section.socket} ({err.strerror or err})") from None
-        sock.settimeout(section.request_timeout_ms / 1000)
+            raise GatewayNotRunning(f"no gateway answers at {section.socket} ({err.strerror or err})") from None
+        _kernel_timeouts(sock, section.request_timeout_ms)
         try:
             send_message(sock, p.Hello(protocol, release, os.getpid(), client_name), 0)
-            _, reply = recv_message(sock, section.message_bytes_max)
+            _, reply = FrameReader(sock, section.message_bytes_max).message()
         except (OSError, PeerClosed, p.ProtocolError) as err:
             sock.close()
             raise GatewayUnavailable(f"gateway at {section.socket} did not complete the handshake: {err}") from None
@@ -106,12 +146,26 @@ class GatewayClient:
         if not isinstance(reply, p.HelloOk):
             sock.close()
             raise GatewayUnavailable(f"gateway answered HELLO with {type(reply).__name__}")
+        if reply.protocol != protocol or reply.release != release:
+            # The gateway checks too; checking here as well catches a gateway of a
+            # release that accepted what it should not have.
+            sock.close()
+            raise VersionMismatch(
+                f"VERSION_MISMATCH: client is release {release} protocol {protocol}; gateway (pid "
+                f"{reply.gateway_pid}) is release {reply.release} protocol {reply.protocol}: "
+                "deploy both from the same release"
+            )
         try:
             segment = Segment.attach(Path(reply.shm_path), reply.shm_bytes)
         except ShmUnavailable as err:
             sock.close()
             raise GatewayUnavailable(str(err)) from None
         return cls(sock, segment, reply, section)
+
+    @property
+    def down(self) -> str | None:
+        """Why this client is down for good, or None while it works."""
+        return self._down
 
     # -- requests ------------------------------------------------------------
 
@@ -121,7 +175,8 @@ class GatewayClient:
         for start in range(0, len(keys), p.KEYS_PER_MESSAGE_MAX):
             part = list(keys[start : start + p.KEYS_PER_MESSAGE_MAX])
             found = self._call(p.Lookup(chunk_tokens, part), p.LookupOk).hits
-            assert 0 <= found <= len(part)
+            if not 0 <= found <= len(part):
+                raise self._fail(f"LOOKUP_OK says {found} hits for {len(part)} keys")
             hits += found
             if found < len(part):
                 break
@@ -130,7 +185,7 @@ class GatewayClient:
     def prepare_put(self, fingerprint: bytes, items: Sequence[tuple[bytes, int]]) -> PutBatch:
         ready = self._call(p.PutPrepare(fingerprint, list(items)), p.PutReady)
         if len(ready.offsets) != len(items):
-            raise GatewayUnavailable(f"PUT_READY has {len(ready.offsets)} offsets for {len(items)} values")
+            raise self._fail(f"PUT_READY has {len(ready.offsets)} offsets for {len(items)} values")
         views: list[memoryview | None] = []
         for offset, (_, size) in zip(ready.offsets, items, strict=True):
             views.append(None if offset == p.SKIP else self._span(offset, size))
@@ -142,7 +197,7 @@ class GatewayClient:
     def get(self, fingerprint: bytes, keys: Sequence[bytes]) -> GetBatch:
         ready = self._call(p.Get(fingerprint, list(keys)), p.GetReady)
         if len(ready.spans) > len(keys):
-            raise GatewayUnavailable(f"GET_READY has {len(ready.spans)} values for {len(keys)} keys")
+            raise self._fail(f"GET_READY has {len(ready.spans)} values for {len(keys)} keys")
         return GetBatch(ready.batch, [self._span(offset, size) for offset, size in ready.spans])
 
     def release(self, batch: GetBatch) -> None:
@@ -152,39 +207,65 @@ class GatewayClient:
         return self._call(p.Status(), p.StatusOk).document
 
     def close(self) -> None:
-        try:
+        """Hang up and unmap. Views handed out earlier keep the mapping alive until dropped."""
+        if self._down is None:
+            self._down = "closed by its owner"
+        with contextlib.suppress(OSError):
             self._sock.close()
-        finally:
-            self.segment.close()
+        self.segment.close()
 
     # -- internals -----------------------------------------------------------
 
     def _span(self, offset: int, size: int) -> memoryview:
         if offset + size > self.segment.size:
-            raise GatewayUnavailable(f"span {offset}+{size} lies outside the {self.segment.size}-byte segment")
+            raise self._fail(f"span {offset}+{size} lies outside the {self.segment.size}-byte segment")
         return self.segment.view[offset : offset + size]
+
+    def _fail(self, reason: str) -> GatewayUnavailable:
+        """Mark the client down for good (the restart rule) and return the error to raise."""
+        if self._down is None:
+            self._down = reason
+            with contextlib.suppress(OSError):
+                # Unblocks nothing of ours (one request at a time) but tells the
+                # gateway at once that this client's transfers are over.
+                self._sock.shutdown(socket.SHUT_RDWR)
+        return GatewayUnavailable(reason)
 
     def _call(self, request: p.Message, expect: type[_Reply]) -> _Reply:
         with self._lock:
+            if self._down is not None:
+                raise GatewayUnavailable(
+                    f"the gateway connection is down ({self._down}); the client does not reconnect: "
+                    "restart the engine (after the gateway) to use the external cache again"
+                )
             request_id = self._next_id
             self._next_id += 1
             try:
-                send_message(self._sock, request, request_id)
-                frame, reply = recv_message(self._sock, self._section.message_bytes_max)
-            except TimeoutError:
-                raise GatewayUnavailable(
+                data = p.encode(request, request_id)
+            except p.ProtocolError as err:
+                # The caller's request is bad (a key of the wrong length, too many
+                # keys): refused here, before sending; the connection is untouched.
+                raise GatewayRefused(err.code, f"not sent: {err.message}") from None
+            try:
+                self._sock.sendall(data)
+                frame, reply = self._reader.message()
+                # Each PROGRESS restarts the socket's timeout: request_timeout_ms
+                # bounds the gateway's silence, not a long request's duration.
+                while isinstance(reply, p.Progress) and frame.request_id == request_id:
+                    frame, reply = self._reader.message()
+            except (TimeoutError, BlockingIOError):  # BlockingIOError: SO_RCVTIMEO expired.
+                raise self._fail(
                     f"gateway did not answer {type(request).__name__} within "
                     f"{self._section.request_timeout_ms} ms (gateway.request_timeout_ms)"
                 ) from None
             except (OSError, PeerClosed) as err:
-                raise GatewayUnavailable(f"gateway connection lost: {err}") from None
+                raise self._fail(f"gateway connection lost: {err}") from None
             except p.ProtocolError as err:
-                raise GatewayUnavailable(f"gateway sent a malformed reply: {err}") from None
+                raise self._fail(f"gateway sent a malformed reply: {err}") from None
+            if frame.request_id != request_id:
+                raise self._fail(f"reply to request {frame.request_id} came for request {request_id}")
         if isinstance(reply, p.Error):
             raise GatewayRefused(reply.code, reply.text)
-        if frame.request_id != request_id or not isinstance(reply, expect):
-            raise GatewayUnavailable(
-                f"expected {expect.__name__} for request {request_id}, got {type(reply).__name__} "
-                f"for {frame.request_id}"
-            )
+        if not isinstance(reply, expect):
+            raise self._fail(f"expected {expect.__name__} for request {request_id}, got {type(reply).__name__}")
         return reply

@@ -5,7 +5,12 @@ starts one as a child process running the same code, so a single engine needs
 no separate service. Several clients (tensor-parallel ranks) may race: a file
 lock beside the socket lets exactly one of them start it while the others wait
 for it to be ready. The child lives as long as the process that started it:
-it watches a pipe whose write end only that process holds.
+it watches a pipe whose write end only that process holds (a process forked
+from it lets go of its copy at once).
+
+Only "nothing listens on the socket" starts a gateway. A gateway that answers
+but cannot be used (another release, a segment this process cannot open) is
+reported as it is: starting a second one could not fix it.
 """
 
 from __future__ import annotations
@@ -19,15 +24,29 @@ import sys
 import time
 from pathlib import Path
 
-from kvharbor.config import Config
-from kvharbor.gateway.client import GatewayClient, GatewayError, GatewayUnavailable
+from kvharbor.config import Config, validate_config
+from kvharbor.gateway.client import GatewayClient, GatewayError, GatewayNotRunning
 from kvharbor.telemetry.log import get_logger
 
 _log = get_logger("kvharbor.gateway.embedded")
 
-# Write ends of the lifetime pipes of the gateways this process started. Held
-# until the process exits; their closing is what stops the child.
+# Write ends of the lifetime pipes of the gateways this process started, and
+# the children themselves. Held until the process exits; the pipes' closing is
+# what stops the children.
 _LIFELINES: list[int] = []
+_CHILDREN: list[subprocess.Popen[bytes]] = []
+
+
+def _drop_lifelines_after_fork() -> None:
+    """In a forked child (an engine's worker): the write ends are not its to hold, or
+    the gateway would outlive the process that started it for as long as the child runs."""
+    for fd in _LIFELINES:
+        os.close(fd)
+    _LIFELINES.clear()
+    _CHILDREN.clear()
+
+
+os.register_at_fork(after_in_child=_drop_lifelines_after_fork)
 
 
 def connect(config: Config, client_name: str) -> GatewayClient:
@@ -38,27 +57,38 @@ def connect(config: Config, client_name: str) -> GatewayClient:
     section = config.gateway
     try:
         return GatewayClient.connect(section, client_name)
-    except GatewayUnavailable:
+    except GatewayNotRunning:
         if section.mode != "embedded":
             raise
     socket_path = Path(section.socket)
     socket_path.parent.mkdir(parents=True, exist_ok=True)
     lock_path = socket_path.with_name(socket_path.name + ".spawn")
     with open(lock_path, "a+") as lock:
-        # Held while one client starts the gateway; the others wait here, then connect.
+        # Held while one client starts the gateway; the others wait here, then
+        # connect. The wait is bounded by the starter's embedded_start_timeout_ms.
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             return GatewayClient.connect(section, client_name)
-        except GatewayUnavailable:
+        except GatewayNotRunning:
             pass
         _start_child(config)
     return GatewayClient.connect(section, client_name)
 
 
+def _write_config(config: Config, path: Path) -> None:
+    """The child's config, exactly ours: tiers are dumped as their own types
+    (``serialize_as_any``), or a file tier would lose its ``path``."""
+    document = config.model_dump(mode="json", serialize_as_any=True)
+    assert validate_config(document) == config, "the config must survive its round trip"
+    staging = path.with_name(path.name + f".{os.getpid()}")
+    staging.write_text(json.dumps(document))
+    staging.replace(path)
+
+
 def _start_child(config: Config) -> None:
     section = config.gateway
     config_path = Path(section.socket).with_name(Path(section.socket).name + ".config.json")
-    config_path.write_text(json.dumps(config.model_dump(mode="json")))
+    _write_config(config, config_path)
     ready_read, ready_write = os.pipe()
     life_read, life_write = os.pipe()
     command = [
@@ -66,10 +96,15 @@ def _start_child(config: Config) -> None:
         "--ready-fd", str(ready_write), "--parent-fd", str(life_read),
     ]  # fmt: skip
     started = time.monotonic()
-    child = subprocess.Popen(command, pass_fds=(ready_write, life_read), stdin=subprocess.DEVNULL)
+    # A session of its own: the terminal's Ctrl-C goes to the engine, which then
+    # exits and so stops the gateway through the lifeline, in that order.
+    child = subprocess.Popen(
+        command, pass_fds=(ready_write, life_read), stdin=subprocess.DEVNULL, start_new_session=True
+    )
     os.close(ready_write)
     os.close(life_read)
     _LIFELINES.append(life_write)
+    _CHILDREN.append(child)
     try:
         timeout_s = section.embedded_start_timeout_ms / 1000
         ready, _, _ = select.select([ready_read], [], [], timeout_s)
@@ -77,10 +112,14 @@ def _start_child(config: Config) -> None:
     finally:
         os.close(ready_read)
     if answer != b"ready\n":
-        child.poll()
-        state = f"exited with code {child.returncode}" if child.returncode is not None else "did not become ready"
-        if child.returncode is None:
+        try:
+            # The pipe closed without "ready": the child is exiting; reap it for its status.
+            code = child.wait(timeout_s if ready else 0)
+            state = f"exited with code {code}"
+        except subprocess.TimeoutExpired:
             child.kill()
+            child.wait()
+            state = "did not become ready"
         raise GatewayError(
             f"the embedded gateway (pid {child.pid}) {state} within {section.embedded_start_timeout_ms} ms "
             "(gateway.embedded_start_timeout_ms); its log above says why"

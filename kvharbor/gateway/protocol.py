@@ -19,12 +19,12 @@ import json
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from kvharbor.cache.keys import KEY_BYTES
 
-PROTOCOL_VERSION = 1
-"""Bumped on any change to frames or message bodies."""
+PROTOCOL_VERSION = 2
+"""Bumped on any change to frames or message bodies. 2: PROGRESS."""
 
 FRAME = struct.Struct("<IHHQ")
 FRAME_BYTES = FRAME.size
@@ -37,6 +37,7 @@ class MessageType(enum.IntEnum):
     HELLO = 1
     HELLO_OK = 2
     ERROR = 3
+    PROGRESS = 4
     LOOKUP = 10
     LOOKUP_OK = 11
     PUT_PREPARE = 20
@@ -75,25 +76,37 @@ class ProtocolError(Exception):
 
 
 class _Reader:
-    """Bounds-checked sequential reads from one message body."""
+    """Bounds-checked sequential reads from one message body.
+
+    Numbers are read in place (``unpack_from``) and a list of keys with one copy,
+    not one slice per field: decoding is most of a small request's cost here.
+    """
+
+    __slots__ = ("_at", "_body", "_size")
 
     def __init__(self, body: memoryview) -> None:
         self._body = body
+        self._size = body.nbytes
         self._at = 0
 
-    def take(self, size: int) -> memoryview:
-        end = self._at + size
-        if size < 0 or end > self._body.nbytes:
-            raise ProtocolError(ErrorCode.MALFORMED, f"body ends at {self._body.nbytes} bytes, needed {end}")
-        view = self._body[self._at : end]
+    def _advance(self, size: int) -> int:
+        """Where the next ``size`` bytes start; raises if the body ends before them."""
+        at = self._at
+        end = at + size
+        if size < 0 or end > self._size:
+            raise ProtocolError(ErrorCode.MALFORMED, f"body ends at {self._size} bytes, needed {end}")
         self._at = end
-        return view
+        return at
+
+    def take(self, size: int) -> memoryview:
+        at = self._advance(size)
+        return self._body[at : at + size]
 
     def unpack(self, fmt: struct.Struct) -> tuple[Any, ...]:
-        return fmt.unpack(self.take(fmt.size))
+        return fmt.unpack_from(self._body, self._advance(fmt.size))
 
     def u32(self) -> int:
-        return int(self.unpack(_U32)[0])
+        return int(_U32.unpack_from(self._body, self._advance(4))[0])
 
     def text(self) -> str:
         size = self.u32()
@@ -107,15 +120,38 @@ class _Reader:
     def key(self) -> bytes:
         return bytes(self.take(KEY_BYTES))
 
+    def keys(self, n: int) -> list[bytes]:
+        raw = bytes(self.take(n * KEY_BYTES))
+        return [raw[i : i + KEY_BYTES] for i in range(0, len(raw), KEY_BYTES)]
+
     def count(self) -> int:
         n = self.u32()
         if n > KEYS_PER_MESSAGE_MAX:
             raise ProtocolError(ErrorCode.TOO_LARGE, f"{n} entries exceed {KEYS_PER_MESSAGE_MAX} per message")
         return n
 
+    def remaining(self) -> int:
+        return self._size - self._at
+
+    def entries(self, entry_bytes: int) -> int:
+        """The count of a list of fixed-size entries that ends the body.
+
+        Such a list must fill the rest of the body exactly; anything else means
+        the sender's keys are not `KEY_BYTES` long, which is answered as
+        ``BAD_KEY`` rather than the vaguer ``MALFORMED``.
+        """
+        n = self.count()
+        if self.remaining() != n * entry_bytes:
+            raise ProtocolError(
+                ErrorCode.BAD_KEY,
+                f"{n} entries of {entry_bytes} bytes need {n * entry_bytes} bytes, the message has "
+                f"{self.remaining()}: a key is {KEY_BYTES} bytes",
+            )
+        return n
+
     def end(self) -> None:
-        if self._at != self._body.nbytes:
-            raise ProtocolError(ErrorCode.MALFORMED, f"{self._body.nbytes - self._at} trailing bytes")
+        if self._at != self._size:
+            raise ProtocolError(ErrorCode.MALFORMED, f"{self._size - self._at} trailing bytes")
 
 
 _U32 = struct.Struct("<I")
@@ -125,22 +161,33 @@ _OFFSET_LENGTH = struct.Struct("<QQ")
 
 
 def _text(value: str) -> bytes:
-    raw = value.encode("utf-8")[:TEXT_BYTES_MAX]
+    raw = value.encode("utf-8")
+    if len(raw) > TEXT_BYTES_MAX:
+        # Cut on a character boundary: a split UTF-8 sequence would make the
+        # receiver refuse a valid message as malformed.
+        raw = raw[:TEXT_BYTES_MAX].decode("utf-8", "ignore").encode("utf-8")
+    assert len(raw) <= TEXT_BYTES_MAX
     return _U32.pack(len(raw)) + raw
 
 
+def _check_key(key: bytes) -> bytes:
+    if len(key) != KEY_BYTES:
+        raise ProtocolError(ErrorCode.BAD_KEY, f"a key is {KEY_BYTES} bytes, got {len(key)}")
+    return key
+
+
+def _check_count(n: int) -> None:
+    if n > KEYS_PER_MESSAGE_MAX:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"{n} entries exceed {KEYS_PER_MESSAGE_MAX} per message")
+
+
 def _keys(keys: Sequence[bytes]) -> bytes:
-    if len(keys) > KEYS_PER_MESSAGE_MAX:
-        raise ProtocolError(ErrorCode.TOO_LARGE, f"{len(keys)} keys exceed {KEYS_PER_MESSAGE_MAX} per message")
-    for key in keys:
-        if len(key) != KEY_BYTES:
-            raise ProtocolError(ErrorCode.BAD_KEY, f"a key is {KEY_BYTES} bytes, got {len(key)}")
-    return _U32.pack(len(keys)) + b"".join(keys)
+    _check_count(len(keys))
+    return _U32.pack(len(keys)) + b"".join(_check_key(key) for key in keys)
 
 
 def _read_keys(reader: _Reader) -> list[bytes]:
-    n = reader.count()
-    return [reader.key() for _ in range(n)]
+    return reader.keys(reader.entries(KEY_BYTES))
 
 
 # -- messages --------------------------------------------------------------
@@ -217,6 +264,24 @@ class Error(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class Progress(Message):
+    """Sent by the gateway during a long request (a large commit to a slow tier), so
+    the client's ``request_timeout_ms`` bounds silence rather than the whole request:
+    a busy gateway is not mistaken for a hung one, a hung one still is."""
+
+    TYPE: ClassVar[MessageType] = MessageType.PROGRESS
+    done: int
+    """Items of the request completed so far."""
+
+    def body(self) -> bytes:
+        return _U32.pack(self.done)
+
+    @classmethod
+    def parse(cls, reader: _Reader) -> Progress:
+        return cls(reader.u32())
+
+
+@dataclass(frozen=True, slots=True)
 class Lookup(Message):
     TYPE: ClassVar[MessageType] = MessageType.LOOKUP
     chunk_tokens: int
@@ -253,15 +318,19 @@ class PutPrepare(Message):
     """(key, value length in bytes)."""
 
     def body(self) -> bytes:
-        if len(self.items) > KEYS_PER_MESSAGE_MAX:
-            raise ProtocolError(ErrorCode.TOO_LARGE, f"{len(self.items)} items exceed {KEYS_PER_MESSAGE_MAX}")
-        _keys([self.fingerprint, *(k for k, _ in self.items)])
-        return self.fingerprint + _U32.pack(len(self.items)) + b"".join(_KEY_SIZE.pack(k, n) for k, n in self.items)
+        # The fingerprint is not one of the batch's keys: a full batch has
+        # KEYS_PER_MESSAGE_MAX items besides it.
+        _check_count(len(self.items))
+        return (
+            _check_key(self.fingerprint)
+            + _U32.pack(len(self.items))
+            + b"".join(_KEY_SIZE.pack(_check_key(k), n) for k, n in self.items)
+        )
 
     @classmethod
     def parse(cls, reader: _Reader) -> PutPrepare:
         fingerprint = reader.key()
-        n = reader.count()
+        n = reader.entries(_KEY_SIZE.size)
         items = []
         for _ in range(n):
             key, size = reader.unpack(_KEY_SIZE)
@@ -339,8 +408,7 @@ class Get(Message):
     keys: list[bytes]
 
     def body(self) -> bytes:
-        _keys([self.fingerprint])
-        return self.fingerprint + _keys(self.keys)
+        return _check_key(self.fingerprint) + _keys(self.keys)
 
     @classmethod
     def parse(cls, reader: _Reader) -> Get:
@@ -395,27 +463,37 @@ class StatusOk(Message):
         raw = reader.take(reader.u32())
         try:
             document = json.loads(bytes(raw))
-        except ValueError:
+        except (ValueError, RecursionError):
+            # RecursionError: deeply nested arrays, which json raises for rather than ValueError.
             raise ProtocolError(ErrorCode.MALFORMED, "status is not JSON") from None
+        if not isinstance(document, dict):
+            raise ProtocolError(ErrorCode.MALFORMED, f"status is a JSON {type(document).__name__}, not an object")
         return cls(document)
 
 
 _TYPES: dict[int, type[Message]] = {
     cls.TYPE: cls
     for cls in (
-        Hello, HelloOk, Error, Lookup, LookupOk, PutPrepare, PutReady, PutCommit, PutDone,
+        Hello, HelloOk, Error, Progress, Lookup, LookupOk, PutPrepare, PutReady, PutCommit, PutDone,
         Get, GetReady, Release, Released, Status, StatusOk,
     )
 }  # fmt: skip
 
 
 def encode(message: Message, request_id: int) -> bytes:
-    body = message.body()
+    """The frame of ``message``; raises `ProtocolError` for a message that cannot be sent
+    (a key of the wrong length, too many keys, a number out of its field's range)."""
+    try:
+        body = message.body()
+    except struct.error as err:
+        raise ProtocolError(ErrorCode.MALFORMED, f"{type(message).__name__}: a field is out of range ({err})") from None
     return FRAME.pack(len(body), int(message.TYPE), 0, request_id) + body
 
 
-@dataclass(frozen=True, slots=True)
-class FrameHeader:
+class FrameHeader(NamedTuple):
+    """A tuple, not a dataclass: one is made per message, on the hot path (a third of
+    a frozen dataclass's cost to build)."""
+
     length: int
     type: int
     flags: int
@@ -425,10 +503,10 @@ class FrameHeader:
 def decode_frame_header(data: bytes | memoryview, body_bytes_max: int) -> FrameHeader:
     if len(data) != FRAME_BYTES:
         raise ProtocolError(ErrorCode.MALFORMED, f"frame header of {len(data)} bytes")
-    length, kind, flags, request_id = FRAME.unpack(data)
-    if length > body_bytes_max:
-        raise ProtocolError(ErrorCode.TOO_LARGE, f"message of {length} bytes exceeds {body_bytes_max}")
-    return FrameHeader(length, kind, flags, request_id)
+    header = FrameHeader._make(FRAME.unpack(data))
+    if header.length > body_bytes_max:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"message of {header.length} bytes exceeds {body_bytes_max}")
+    return header
 
 
 def decode_body(kind: int, body: bytes | bytearray | memoryview) -> Message:
@@ -442,10 +520,11 @@ def decode_body(kind: int, body: bytes | bytearray | memoryview) -> Message:
     return message
 
 
-def decode(data: bytes, body_bytes_max: int = 1 << 20) -> tuple[FrameHeader, Message]:
-    """Decode one whole frame (header and body), as the fuzz tests feed it."""
-    header = decode_frame_header(data[:FRAME_BYTES], body_bytes_max)
-    body = data[FRAME_BYTES:]
+def decode(data: bytes | bytearray | memoryview, body_bytes_max: int = 1 << 20) -> tuple[FrameHeader, Message]:
+    """Decode one whole frame (header and body); raises only `ProtocolError`."""
+    view = memoryview(data)
+    header = decode_frame_header(view[:FRAME_BYTES], body_bytes_max)
+    body = view[FRAME_BYTES:]
     if len(body) != header.length:
         raise ProtocolError(ErrorCode.MALFORMED, f"body of {len(body)} bytes, frame says {header.length}")
     return header, decode_body(header.type, body)

@@ -2,8 +2,12 @@
 
 A transfer asks for room, the client (put) or the gateway (get) fills it, and
 the other side reads it in place; then the extent is freed. When the ring is
-full a request waits up to ``wait_ms`` and is then refused (backpressure): a
+full a request waits until its deadline and is then refused (backpressure): a
 put is then skipped and a get is a miss, never a stalled engine.
+
+The deadline is per request, not per extent: a batch of many values must not
+wait ``ring_wait_ms`` once for each, or a full ring would hold a request far
+past the client's ``request_timeout_ms``.
 """
 
 from __future__ import annotations
@@ -16,11 +20,17 @@ from kvharbor.gateway.shm import PAGE_BYTES
 
 
 def round_up(nbytes: int) -> int:
+    assert nbytes >= 0, nbytes
     return max(PAGE_BYTES, -(-nbytes // PAGE_BYTES) * PAGE_BYTES)
 
 
 class Ring:
-    """First-fit allocator over [0, size) with coalescing free extents."""
+    """First-fit allocator over [0, size) with coalescing free extents.
+
+    Free extents are kept sorted by start (``_starts``) with their lengths
+    (``_lengths``); an allocation or a free is O(free extents), which stays
+    small because neighbours coalesce.
+    """
 
     def __init__(self, size: int) -> None:
         assert size > 0 and size % PAGE_BYTES == 0, size
@@ -35,29 +45,43 @@ class Ring:
     def free_bytes(self) -> int:
         return self._free_bytes
 
-    def allocate(self, nbytes: int, wait_ms: int = 0) -> int | None:
-        """Offset of ``nbytes`` (rounded up to pages), or None if no room came in time."""
+    def allocate(self, nbytes: int, deadline: float | None = None) -> int | None:
+        """Offset of ``nbytes`` (rounded up to pages), or None if no room came by
+        ``deadline`` (a `time.monotonic` instant; None: do not wait)."""
         need = round_up(nbytes)
         if need > self.size:
-            return None
-        deadline = time.monotonic() + wait_ms / 1000
+            return None  # Could never fit: no point in waiting.
         with self._cond:
             while True:
                 offset = self._take(need)
                 if offset is not None:
                     return offset
-                remaining = deadline - time.monotonic()
+                remaining = 0.0 if deadline is None else deadline - time.monotonic()
                 if remaining <= 0:
                     return None
                 self._cond.wait(remaining)
 
-    def free(self, offset: int) -> None:
+    def free(self, offset: int) -> int:
+        """Give back the extent at ``offset``; returns its length."""
         with self._cond:
-            length = self._used.pop(offset)
+            length = self._used.pop(offset, 0)
+            assert length > 0, f"extent at {offset} is not allocated"
             self._free_bytes += length
             self._insert(offset, length)
-            self._check()
+            assert 0 < self._free_bytes <= self.size
             self._cond.notify_all()
+        return length
+
+    def check(self) -> None:
+        """Full consistency check, O(extents): free and used extents tile [0, size)."""
+        with self._cond:
+            spans = sorted([(s, self._lengths[s]) for s in self._starts] + list(self._used.items()))
+            assert sum(self._lengths.values()) == self._free_bytes
+            at = 0
+            for start, length in spans:
+                assert start == at and length > 0 and start % PAGE_BYTES == 0, (start, at, length)
+                at += length
+            assert at == self.size, (at, self.size)
 
     def _take(self, need: int) -> int | None:
         for i, start in enumerate(self._starts):
@@ -72,23 +96,21 @@ class Ring:
                 self._lengths[start + need] = length - need
             self._used[start] = need
             self._free_bytes -= need
-            self._check()
+            assert 0 <= self._free_bytes < self.size
             return start
         return None
 
     def _insert(self, offset: int, length: int) -> None:
         i = bisect.bisect_left(self._starts, offset)
+        assert i == len(self._starts) or offset + length <= self._starts[i], "extent freed twice"
         if i < len(self._starts) and offset + length == self._starts[i]:
             following = self._starts.pop(i)
             length += self._lengths.pop(following)
         if i > 0:
             before = self._starts[i - 1]
+            assert before + self._lengths[before] <= offset, "extent freed twice"
             if before + self._lengths[before] == offset:
                 self._lengths[before] += length
                 return
         self._starts.insert(i, offset)
         self._lengths[offset] = length
-
-    def _check(self) -> None:
-        assert 0 <= self._free_bytes <= self.size
-        assert sum(self._lengths.values()) == self._free_bytes

@@ -7,19 +7,21 @@ design in Python, and the number of clients is bounded (``clients_max``).
 
 Faults stay local: a malformed message is refused with a reason and counted,
 and the gateway keeps serving everyone else; a client that dies mid-transfer
-has its shared-memory extents freed when its connection closes.
+has its shared-memory extents freed when its connection closes (the kernel
+closes it however the client dies). A client that hangs mid-transfer keeps its
+extents until its connection closes: reclaiming them earlier could hand memory
+it still writes into to another transfer, and a wrong byte must never be stored.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
 import os
 import socket
 import threading
+import time
 from collections import Counter
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,48 +31,76 @@ from kvharbor.cache.assembly import open_store
 from kvharbor.cache.store import TieredStore
 from kvharbor.config import MIB, Config
 from kvharbor.gateway import protocol as p
-from kvharbor.gateway.ring import Ring
 from kvharbor.gateway.shm import (
     PAGE_BYTES,
     Segment,
-    enlarge_hint,
+    ShmTooSmall,
     plan_ring,
     remove_stale_segments,
     segment_path,
     shm_space,
 )
-from kvharbor.gateway.wire import PeerClosed, recv_frame, send_message
+from kvharbor.gateway.transfers import Batch, Transfers
+from kvharbor.gateway.wire import FrameReader, PeerClosed, send_message
 from kvharbor.telemetry.log import get_logger
 
 _log = get_logger("kvharbor.gateway")
+
+ACCEPT_RETRY_MS = 100
+"""Back-off after a failed accept (e.g. out of file descriptors) before trying again."""
 
 
 class GatewayStartError(Exception):
     """The gateway cannot start; the message says what to change."""
 
 
-class _RingFull(Exception):
-    pass
+class _Progress:
+    """Reports a long request's progress to its client at most once per interval (a
+    PROGRESS frame), so that a large commit to a slow tier is not taken for a hang."""
+
+    def __init__(self, sock: socket.socket, interval_s: float) -> None:
+        self._sock = sock
+        self._interval_s = interval_s
+        self._request_id = 0
+        self._next = 0.0
+
+    def start(self, request_id: int) -> None:
+        """A new request begins: its first report is due one interval from now."""
+        self._request_id = request_id
+        self._next = time.monotonic() + self._interval_s
+
+    def __call__(self, done: int) -> None:
+        now = time.monotonic()
+        if now >= self._next:
+            send_message(self._sock, p.Progress(done), self._request_id)
+            self._next = now + self._interval_s
 
 
 @dataclass(slots=True)
-class _Batch:
-    """Extents of the segment lent to one client for one transfer."""
+class _Connection:
+    """What the gateway knows about one client connection; touched only by its thread."""
 
-    kind: str
-    extents: list[int] = field(default_factory=list)
-    items: list[tuple[bytes, int, int]] = field(default_factory=list)
-    """put: (key, offset, length) of each value to store."""
-    fingerprint: bytes = b""
+    sock: socket.socket
+    batches: dict[int, Batch] = field(default_factory=dict)
+    peer: str = "a client before HELLO"
+    greeted: bool = False
+    refusals_logged: set[p.ErrorCode] = field(default_factory=set)
+    progress: _Progress | None = None
+    """Reports the progress of the request being served."""
 
 
 @dataclass(slots=True)
 class GatewayCounters:
+    """Monotonic counters, updated under `Gateway._counters_lock` (clients run on threads)."""
+
     clients_total: int = 0
     rejected: Counter[str] = field(default_factory=Counter)
+    """Refused messages by `ErrorCode` name."""
     ring_full: int = 0
+    """Values not transferred because the ring had no room by the request's deadline."""
     put_bytes: int = 0
     get_bytes: int = 0
+    clients_died_mid_transfer: int = 0
 
 
 class Gateway:
@@ -80,15 +110,20 @@ class Gateway:
         self.socket_path = Path(config.gateway.socket)
         self.counters = GatewayCounters()
         self.segment: Segment | None = None
-        self.ring: Ring | None = None
         self.store: TieredStore | None = None
+        self.transfers: Transfers | None = None
         self._listener: socket.socket | None = None
+        self._socket_bound = False
         self._lock_file: int | None = None
-        self._clients: dict[int, socket.socket] = {}
+        self._clients: dict[socket.socket, tuple[_Connection, threading.Thread]] = {}
         self._clients_lock = threading.Lock()
-        self._batch_ids = iter(range(1, 2**63))
-        self._batch_lock = threading.Lock()
+        self._counters_lock = threading.Lock()
         self._stopping = threading.Event()
+        # Held for the whole of `stop`: a second caller (signal thread, main
+        # thread, parent watcher) waits until the first has finished cleaning
+        # up, so the process never exits half-way through it.
+        self._stop_lock = threading.Lock()
+        self._stopped = False
 
     # -- life cycle --------------------------------------------------------
 
@@ -102,150 +137,227 @@ class Gateway:
             raise GatewayStartError(f"gateway.shm_dir {shm_dir} is not a directory")
         remove_stale_segments(shm_dir, gw.shm_name)
         free, total = shm_space(shm_dir)
-        try:
-            plan = plan_ring(gw.ring_mb * MIB, gw.ring_mb_min * MIB, free, total)
-        except Exception as err:
-            raise GatewayStartError(str(err)) from None
-        if plan.shrunk:
-            _log.warning(
-                "kvharbor: gateway ring of %d MiB doesn't fit in %s (%d MiB free of %d MiB); using %d MiB. %s",
-                gw.ring_mb, shm_dir, free // MIB, total // MIB, plan.granted_bytes // MIB,
-                enlarge_hint(plan.requested_bytes),
-            )  # fmt: skip
-        size = plan.granted_bytes - plan.granted_bytes % PAGE_BYTES
-        try:
-            self.segment = Segment.create(segment_path(shm_dir, gw.shm_name, os.getpid()), size)
-        except Exception as err:
-            raise GatewayStartError(str(err)) from None
-        self.ring = Ring(size)
+        self._create_segment(shm_dir, free, total)
+        assert self.segment is not None
         self.store = open_store(self.config, start_clean=self.start_clean)
-        self.socket_path.unlink(missing_ok=True)  # Ours: we hold the lock.
+        self.transfers = Transfers(self.config, self.store, self.segment, self._count)
+        # Ours to replace: we hold the lock, so a socket file here is a dead gateway's.
+        self.socket_path.unlink(missing_ok=True)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(str(self.socket_path))
+        self._socket_bound = True
         listener.listen(gw.clients_max)
         self._listener = listener
         _log.info(
-            "kvharbor: gateway %s (protocol %d) serving %s, shared memory %s (%d MiB), start-clean=%d",
-            __version__, p.PROTOCOL_VERSION, self.socket_path, self.segment.path, size // MIB,
-            int(self.start_clean),
+            "kvharbor: gateway %s (protocol %d, pid %d) serving %s, shared memory %s (%d MiB), start-clean=%d",
+            __version__, p.PROTOCOL_VERSION, os.getpid(), self.socket_path, self.segment.path,
+            self.segment.size // MIB, int(self.start_clean),
         )  # fmt: skip
+
+    def _create_segment(self, shm_dir: Path, free: int, total: int) -> None:
+        gw = self.config.gateway
+        try:
+            plan = plan_ring(gw.ring_mb * MIB, gw.ring_mb_min * MIB, free, total, gw.shm_reserve_mb * MIB, shm_dir)
+        except ShmTooSmall as err:
+            raise GatewayStartError(str(err)) from None
+        if plan.shrunk:
+            _log.warning("kvharbor: %s", plan.warning(shm_dir))
+        size = plan.granted_bytes - plan.granted_bytes % PAGE_BYTES
+        try:
+            self.segment = Segment.create(segment_path(shm_dir, gw.shm_name, os.getpid()), size)
+        except (ShmTooSmall, OSError) as err:
+            raise GatewayStartError(str(err)) from None
 
     def serve_forever(self) -> None:
         assert self._listener is not None, "start() first"
         while not self._stopping.is_set():
             try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                break  # The listener was closed by stop().
-            with self._clients_lock:
-                if len(self._clients) >= self.config.gateway.clients_max:
-                    self._refuse(conn, p.ErrorCode.BUSY, f"clients_max {self.config.gateway.clients_max} reached")
-                    continue
-                self._clients[conn.fileno()] = conn
-                self.counters.clients_total += 1
-            threading.Thread(target=self._serve_client, args=(conn,), daemon=True, name="kvharbor-client").start()
+                sock, _ = self._listener.accept()
+            except OSError as err:
+                if self._stopping.is_set():
+                    break  # The listener was closed by stop().
+                _log.error("kvharbor: gateway cannot accept a client: %s; retrying", err)
+                self._stopping.wait(ACCEPT_RETRY_MS / 1000)
+                continue
+            self._admit(sock)
+
+    def _admit(self, sock: socket.socket) -> None:
+        clients_max = self.config.gateway.clients_max
+        with self._clients_lock:
+            if len(self._clients) >= clients_max:
+                refuse = True
+            else:
+                refuse = False
+                connection = _Connection(sock)
+                thread = threading.Thread(
+                    target=self._serve_client, args=(connection,), daemon=True, name="kvharbor-client"
+                )
+                self._clients[sock] = (connection, thread)
+        if refuse:
+            busy = p.ProtocolError(p.ErrorCode.BUSY, f"gateway.clients_max {clients_max} reached")
+            self._reject(_Connection(sock), busy, 0)
+            sock.close()
+            return
+        self._count(clients_total=1)
+        thread.start()
 
     def stop(self) -> None:
-        if self._stopping.is_set():
-            return
-        self._stopping.set()
-        if self._listener is not None:
-            with contextlib.suppress(OSError):
-                self._listener.shutdown(socket.SHUT_RDWR)
-            self._listener.close()
-        with self._clients_lock:
-            for conn in self._clients.values():
+        """Stop serving and release everything; safe to call from any thread, more than once."""
+        with self._stop_lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            self._stopping.set()
+            if self._listener is not None:
                 with contextlib.suppress(OSError):
-                    conn.shutdown(socket.SHUT_RDWR)
-        self.socket_path.unlink(missing_ok=True)
-        if self.store is not None:
-            self.store.close()
-        if self.segment is not None:
-            self.segment.close()
-        if self._lock_file is not None:
-            os.close(self._lock_file)
-        _log.info("kvharbor: gateway stopped")
+                    self._listener.shutdown(socket.SHUT_RDWR)
+                self._listener.close()
+            if self._socket_bound:
+                # Only the gateway that bound the socket removes it: a gateway
+                # refused at start must not unlink the one serving there.
+                self.socket_path.unlink(missing_ok=True)
+            self._stop_clients()
+            if self.store is not None:
+                self.store.close()
+            if self.segment is not None:
+                self.segment.close()
+            if self._lock_file is not None:
+                os.close(self._lock_file)
+                self._lock_file = None
+            if self._socket_bound:
+                _log.info("kvharbor: gateway stopped")
+
+    def _stop_clients(self) -> None:
+        """Hang up on every client and wait (up to ``stop_timeout_ms``) for requests in flight,
+        so the store is not closed under a put that is still being written."""
+        with self._clients_lock:
+            clients = list(self._clients.items())
+        for sock, _ in clients:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        deadline = time.monotonic() + self.config.gateway.stop_timeout_ms / 1000
+        busy = 0
+        for _, (_, thread) in clients:
+            thread.join(max(0.0, deadline - time.monotonic()))
+            busy += thread.is_alive()
+        if busy:
+            _log.warning(
+                "kvharbor: %d client request(s) still running after %d ms (gateway.stop_timeout_ms); stopping anyway",
+                busy, self.config.gateway.stop_timeout_ms,
+            )  # fmt: skip
 
     def status(self) -> dict[str, Any]:
-        assert self.store is not None and self.ring is not None and self.segment is not None
+        assert self.store is not None and self.transfers is not None and self.segment is not None
         with self._clients_lock:
-            clients = len(self._clients)
+            connections = [c for c, _ in self._clients.values()]
+        with self._counters_lock:
+            counters = asdict(self.counters)
+            counters["rejected"] = dict(self.counters.rejected)
         return {
             "release": __version__,
             "protocol": p.PROTOCOL_VERSION,
             "pid": os.getpid(),
             "socket": str(self.socket_path),
-            "shm": {"path": str(self.segment.path), "bytes": self.segment.size, "free_bytes": self.ring.free_bytes},
-            "clients": clients,
-            "counters": {
-                "clients_total": self.counters.clients_total,
-                "rejected": dict(self.counters.rejected),
-                "ring_full": self.counters.ring_full,
-                "put_bytes": self.counters.put_bytes,
-                "get_bytes": self.counters.get_bytes,
+            "shm": {
+                "path": str(self.segment.path),
+                "bytes": self.segment.size,
+                "free_bytes": self.transfers.ring.free_bytes,
             },
+            "clients": len(connections),
+            "transfers_open": sum(len(c.batches) for c in connections),
+            "counters": counters,
             "store": asdict(self.store.status()),
         }
 
     # -- one client --------------------------------------------------------
 
-    def _serve_client(self, conn: socket.socket) -> None:
-        batches: dict[int, _Batch] = {}
-        greeted = False
-        body_max = self.config.gateway.message_bytes_max
+    def _serve_client(self, connection: _Connection) -> None:
+        sock = connection.sock
+        reader = FrameReader(sock, self.config.gateway.message_bytes_max)
+        progress = connection.progress = _Progress(sock, self.config.gateway.progress_interval_ms / 1000)
         try:
             while not self._stopping.is_set():
                 try:
-                    frame, body = recv_frame(conn, body_max)
+                    frame, body = reader.frame()
                 except p.ProtocolError as err:
                     # An oversized frame cannot be skipped safely: answer and hang up.
-                    self._reject(conn, err, 0)
+                    self._reject(connection, err, 0)
                     return
+                progress.start(frame.request_id)
                 try:
-                    message = p.decode_body(frame.type, body)
-                    if not greeted and not isinstance(message, p.Hello):
-                        raise p.ProtocolError(p.ErrorCode.NOT_READY, "the first message must be HELLO")
-                    reply = self._handle(message, batches)
-                    greeted = True
+                    reply = self._answer(connection, frame.type, body)
                 except p.ProtocolError as err:
-                    self._reject(conn, err, frame.request_id)
+                    self._reject(connection, err, frame.request_id)
                     if err.code is p.ErrorCode.VERSION_MISMATCH:
                         return
                     continue
-                send_message(conn, reply, frame.request_id)
+                send_message(sock, reply, frame.request_id)
         except (PeerClosed, OSError):
             pass  # The client went away; its extents are freed below.
         finally:
-            for batch in batches.values():
-                self._free(batch)
-            with self._clients_lock:
-                self._clients = {k: c for k, c in self._clients.items() if c is not conn}
-            conn.close()
+            self._disconnect(connection)
 
-    def _handle(self, message: p.Message, batches: dict[int, _Batch]) -> p.Message:
-        store, ring = self.store, self.ring
-        assert store is not None and ring is not None
+    def _answer(self, connection: _Connection, kind: int, body: memoryview) -> p.Message:
+        message = p.decode_body(kind, body)
+        if not connection.greeted and not isinstance(message, p.Hello):
+            raise p.ProtocolError(p.ErrorCode.NOT_READY, "the first message must be HELLO")
+        try:
+            reply = self._handle(message, connection)
+        except (p.ProtocolError, OSError):
+            raise  # A refusal, or the client gone while we reported progress to it.
+        except Exception as err:
+            # A bug below (store, device driver) fails this request, not the
+            # connection or the gateway; the traceback is for us.
+            _log.exception("kvharbor: internal error serving %s %s", connection.peer, type(message).__name__)
+            raise p.ProtocolError(p.ErrorCode.INTERNAL, f"{type(err).__name__}: {err}") from None
+        if isinstance(message, p.Hello):
+            connection.greeted = True
+            connection.peer = f"client {message.client!r} (pid {message.pid})"
+        return reply
+
+    def _disconnect(self, connection: _Connection) -> None:
+        transfers = self.transfers
+        assert transfers is not None
+        open_batches = list(connection.batches.values())
+        connection.batches.clear()
+        freed = sum(transfers.free(batch) for batch in open_batches)
+        if open_batches:
+            self._count(clients_died_mid_transfer=1)
+            _log.warning(
+                "kvharbor: %s went away with %d open transfer(s); freed their %d bytes of shared memory",
+                connection.peer, len(open_batches), freed,
+            )  # fmt: skip
+        elif connection.greeted:
+            _log.info("kvharbor: %s detached", connection.peer)
+        with self._clients_lock:
+            self._clients.pop(connection.sock, None)
+        connection.sock.close()
+
+    def _handle(self, message: p.Message, connection: _Connection) -> p.Message:
+        store, transfers, progress = self.store, self.transfers, connection.progress
+        assert store is not None and transfers is not None and progress is not None
+        batches = connection.batches
         match message:
             case p.Hello():
                 return self._hello(message)
             case p.Lookup(chunk_tokens=chunk_tokens, keys=keys):
                 return p.LookupOk(store.lookup(keys, chunk_tokens))
             case p.PutPrepare():
-                batch_id, batch, offsets = self._prepare_put(message)
+                batch_id, batch, offsets = transfers.prepare_put(message, progress)
                 batches[batch_id] = batch
                 return p.PutReady(batch_id, offsets)
             case p.PutCommit(batch=batch_id):
                 batch = self._pop_batch(batches, batch_id, "put")
                 try:
-                    return p.PutDone(self._commit_put(batch))
+                    return p.PutDone(transfers.commit_put(batch, progress))
                 finally:
-                    self._free(batch)
+                    transfers.free(batch)
             case p.Get(fingerprint=fingerprint, keys=keys):
-                batch_id, spans, batch = self._get(fingerprint, keys)
+                batch_id, spans, batch = transfers.get(fingerprint, keys, progress)
                 batches[batch_id] = batch
                 return p.GetReady(batch_id, spans)
             case p.Release(batch=batch_id):
-                self._free(self._pop_batch(batches, batch_id, "get"))
+                transfers.free(self._pop_batch(batches, batch_id, "get"))
                 return p.Released(batch_id)
             case p.Status():
                 return p.StatusOk(self.status())
@@ -253,122 +365,43 @@ class Gateway:
 
     def _hello(self, hello: p.Hello) -> p.Message:
         if hello.protocol != p.PROTOCOL_VERSION or hello.release != __version__:
-            text = (
-                f"client {hello.client} (pid {hello.pid}) speaks release {hello.release} protocol {hello.protocol}; "
-                f"gateway is release {__version__} protocol {p.PROTOCOL_VERSION}: deploy both from the same release"
+            raise p.ProtocolError(
+                p.ErrorCode.VERSION_MISMATCH,
+                f"client {hello.client!r} (pid {hello.pid}) is release {hello.release} protocol {hello.protocol}; "
+                f"gateway is release {__version__} protocol {p.PROTOCOL_VERSION}: deploy both from the same release",
             )
-            _log.error("kvharbor: VERSION_MISMATCH: %s", text)
-            raise p.ProtocolError(p.ErrorCode.VERSION_MISMATCH, text)
         assert self.segment is not None
-        _log.info("kvharbor: client %s (pid %d) attached", hello.client, hello.pid)
+        _log.info("kvharbor: client %r (pid %d) attached", hello.client, hello.pid)
         return p.HelloOk(p.PROTOCOL_VERSION, __version__, str(self.segment.path), self.segment.size, os.getpid())
-
-    # -- puts --------------------------------------------------------------
-
-    def _prepare_put(self, message: p.PutPrepare) -> tuple[int, _Batch, list[int]]:
-        """Room for each value not yet stored; `SKIP` for the rest (stored, or no room)."""
-        store, ring = self.store, self.ring
-        assert store is not None and ring is not None
-        value_max = self.config.storage.value_mb_max * MIB
-        for _, size in message.items:
-            if not 0 < size <= value_max:
-                raise p.ProtocolError(
-                    p.ErrorCode.TOO_LARGE,
-                    f"value of {size} bytes is outside 1..{value_max} (storage.value_mb_max)",
-                )
-        batch = _Batch("put", fingerprint=message.fingerprint)
-        present = store.contains([key for key, _ in message.items])
-        offsets = []
-        for (key, size), stored in zip(message.items, present, strict=True):
-            offset = None if stored else ring.allocate(size, self.config.gateway.ring_wait_ms)
-            if offset is None:
-                self.counters.ring_full += not stored
-                offsets.append(p.SKIP)
-                continue
-            batch.extents.append(offset)
-            batch.items.append((key, offset, size))
-            offsets.append(offset)
-        return self._new_batch_id(), batch, offsets
-
-    def _commit_put(self, batch: _Batch) -> int:
-        store, segment = self.store, self.segment
-        assert store is not None and segment is not None
-        pinned = frozenset(key for key, _, _ in batch.items)
-        stored = 0
-        for key, offset, size in batch.items:
-            assert offset + size <= segment.size
-            if store.put(key, batch.fingerprint, segment.view[offset : offset + size], pinned):
-                stored += 1
-                self.counters.put_bytes += size
-        return stored
-
-    # -- gets --------------------------------------------------------------
-
-    def _get(self, fingerprint: bytes, keys: Sequence[bytes]) -> tuple[int, list[tuple[int, int]], _Batch]:
-        store, ring, segment = self.store, self.ring, self.segment
-        assert store is not None and ring is not None and segment is not None
-        batch = _Batch("get")
-        spans: list[tuple[int, int]] = []
-
-        def source(nbytes: int) -> memoryview:
-            offset = ring.allocate(nbytes, self.config.gateway.ring_wait_ms)
-            if offset is None:
-                raise _RingFull
-            batch.extents.append(offset)
-            return segment.view[offset : offset + nbytes]
-
-        try:
-            for key in keys:
-                value = store.get(key, fingerprint, source)
-                if value is None:
-                    break
-                spans.append(self._place(value, source))
-                self.counters.get_bytes += value.nbytes
-        except _RingFull:
-            self.counters.ring_full += 1  # The hits so far are served; the rest are misses.
-        return self._new_batch_id(), spans, batch
-
-    def _place(self, value: memoryview, source: Any) -> tuple[int, int]:
-        """(offset, length) of ``value`` in the segment, copying it there if it is elsewhere."""
-        segment = self.segment
-        assert segment is not None
-        if value.obj is segment.map:
-            offset = _address(value) - _address(segment.view)
-        else:
-            target = source(value.nbytes)
-            target[:] = value
-            offset = _address(target) - _address(segment.view)
-        assert offset >= 0 and offset + value.nbytes <= segment.size
-        return offset, value.nbytes
 
     # -- helpers -----------------------------------------------------------
 
-    def _new_batch_id(self) -> int:
-        with self._batch_lock:
-            return next(self._batch_ids)
-
-    def _pop_batch(self, batches: dict[int, _Batch], batch_id: int, kind: str) -> _Batch:
+    @staticmethod
+    def _pop_batch(batches: dict[int, Batch], batch_id: int, kind: str) -> Batch:
         batch = batches.get(batch_id)
         if batch is None or batch.kind != kind:
             raise p.ProtocolError(p.ErrorCode.UNKNOWN_BATCH, f"no open {kind} batch {batch_id} on this connection")
         del batches[batch_id]
         return batch
 
-    def _free(self, batch: _Batch) -> None:
-        assert self.ring is not None
-        for offset in batch.extents:
-            self.ring.free(offset)
-        batch.extents.clear()
+    def _count(self, **deltas: int) -> None:
+        with self._counters_lock:
+            for name, delta in deltas.items():
+                setattr(self.counters, name, getattr(self.counters, name) + delta)
 
-    def _reject(self, conn: socket.socket, err: p.ProtocolError, request_id: int) -> None:
-        self.counters.rejected[err.code.name] += 1
-        _log.warning("kvharbor: refused a message: %s", err)
+    def _reject(self, connection: _Connection, err: p.ProtocolError, request_id: int) -> None:
+        """Answer a refused message with its reason and count it. Logged once per client and
+        kind: a client that keeps sending the same bad message must not flood the log."""
+        with self._counters_lock:
+            self.counters.rejected[err.code.name] += 1
+        if err.code not in connection.refusals_logged:
+            connection.refusals_logged.add(err.code)
+            if err.code is p.ErrorCode.VERSION_MISMATCH:
+                _log.error("kvharbor: refused %s: %s", connection.peer, err)
+            else:
+                _log.warning("kvharbor: refused a message from %s: %s", connection.peer, err)
         with contextlib.suppress(OSError):
-            send_message(conn, p.Error(err.code, err.message), request_id)
-
-    def _refuse(self, conn: socket.socket, code: p.ErrorCode, text: str) -> None:
-        self._reject(conn, p.ProtocolError(code, text), 0)
-        conn.close()
+            send_message(connection.sock, p.Error(err.code, err.message), request_id)
 
     def _take_lock(self) -> None:
         """One gateway per socket: an exclusive lock beside it, held for life."""
@@ -380,15 +413,9 @@ class Gateway:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
             os.close(fd)
             raise GatewayStartError(
-                f"another gateway (pid {holder}) already serves {self.socket_path}; stop it or set gateway.socket"
+                f"another gateway (pid {holder}) already serves {self.socket_path}; "
+                "stop it first, or give this one another gateway.socket"
             ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._lock_file = fd
-
-
-def _address(view: memoryview) -> int:
-    """The memory address of a writable view's first byte (for offsets within the segment)."""
-    return ctypes.addressof(ctypes.c_char.from_buffer(view))
-
-

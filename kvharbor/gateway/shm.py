@@ -47,32 +47,55 @@ class RingPlan:
     granted_bytes: int
     free_bytes: int
     total_bytes: int
+    reserve_bytes: int = 0
 
     @property
     def shrunk(self) -> bool:
         return self.granted_bytes < self.requested_bytes
 
+    def warning(self, directory: Path) -> str:
+        """The start-up warning for a shrunk ring: the sizes, and how to make room."""
+        return (
+            f"the gateway ring of {self.requested_bytes // MIB} MiB (gateway.ring_mb) does not fit in "
+            f"{directory} ({self.free_bytes // MIB} MiB free of {self.total_bytes // MIB} MiB, "
+            f"{self.reserve_bytes // MIB} MiB kept free by gateway.shm_reserve_mb); using "
+            f"{self.granted_bytes // MIB} MiB. {enlarge_hint(self.requested_bytes + self.reserve_bytes)}"
+        )
 
-def plan_ring(requested_bytes: int, min_bytes: int, free_bytes: int, total_bytes: int) -> RingPlan:
-    """Fit the ring into what /dev/shm has free: shrink to fit, refuse below the minimum."""
-    assert requested_bytes > 0 and min_bytes > 0
-    fits = (free_bytes // MIB) * MIB
+
+def plan_ring(
+    requested_bytes: int,
+    min_bytes: int,
+    free_bytes: int,
+    total_bytes: int,
+    reserve_bytes: int = 0,
+    where: Path = SHM_DIR,
+) -> RingPlan:
+    """Fit the ring into what /dev/shm has free, less ``reserve_bytes`` left for others
+    (NCCL and the engine use /dev/shm too): shrink to whole MiB that fit, refuse below
+    the minimum."""
+    assert requested_bytes > 0 and min_bytes > 0 and reserve_bytes >= 0
+    assert free_bytes >= 0 and total_bytes >= free_bytes
+    fits = (max(0, free_bytes - reserve_bytes) // MIB) * MIB
     granted = min(requested_bytes, fits)
     if granted < min_bytes:
         raise ShmTooSmall(
             f"the gateway ring needs at least {min_bytes // MIB} MiB (gateway.ring_mb_min) but "
-            f"/dev/shm has {free_bytes / MIB:.0f} MiB free of {total_bytes / MIB:.0f} MiB; "
-            f"{enlarge_hint(requested_bytes)}"
+            f"{where} has {free_bytes // MIB} MiB free of {total_bytes // MIB} MiB"
+            + (f", {reserve_bytes // MIB} MiB of it kept free (gateway.shm_reserve_mb)" if reserve_bytes else "")
+            + f"; {enlarge_hint(requested_bytes + reserve_bytes)}"
         )
-    return RingPlan(requested_bytes, granted, free_bytes, total_bytes)
+    assert min_bytes <= granted <= requested_bytes, (min_bytes, granted, requested_bytes)
+    return RingPlan(requested_bytes, granted, free_bytes, total_bytes, reserve_bytes)
 
 
 def enlarge_hint(requested_bytes: int) -> str:
     gib = max(1, -(-requested_bytes // (1 << 30)) + 1)
+    # Not "mount a volume over /dev/shm": engine and gateway would then see different ones.
     return (
-        f"enlarge /dev/shm: docker run --shm-size={gib}g (or --ipc=host), "
-        f"mount -o remount,size={gib}G /dev/shm, or a larger memory-backed volume; "
-        "or lower gateway.ring_mb"
+        f"To enlarge it: docker run --shm-size={gib}g, or --ipc=host to use the host's /dev/shm "
+        f"(Kubernetes: hostIPC: true); on the host, mount -o remount,size={gib}G /dev/shm; "
+        "or lower gateway.ring_mb."
     )
 
 
@@ -124,9 +147,7 @@ class Segment:
         actual = os.fstat(fd).st_size
         if actual != size:
             os.close(fd)
-            raise ShmUnavailable(
-                f"shared memory {path} is {actual} bytes, the gateway announced {size}; {SHARE_HINT}"
-            )
+            raise ShmUnavailable(f"shared memory {path} is {actual} bytes, the gateway announced {size}; {SHARE_HINT}")
         return cls(path, fd, size, owner=False)
 
     def close(self) -> None:
@@ -153,7 +174,8 @@ def _pid_alive(pid: int) -> bool:
 
 def mapped_by(path: Path) -> list[int]:
     """Pids of the processes that map ``path`` (read from /proc/*/maps)."""
-    target = str(path)
+    # /proc/*/maps names the file by its resolved path.
+    target = str(path.resolve())
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -195,7 +217,5 @@ def remove_stale_segments(directory: Path, shm_name: str) -> list[Path]:
         size = path.stat().st_size
         path.unlink(missing_ok=True)
         removed.append(path)
-        _log.warning(
-            "kvharbor: removed stale shared memory %s (%d MiB) left by gateway pid %d", path, size // MIB, pid
-        )
+        _log.warning("kvharbor: removed stale shared memory %s (%d MiB) left by gateway pid %d", path, size // MIB, pid)
     return removed

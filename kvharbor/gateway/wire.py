@@ -1,4 +1,10 @@
-"""Framed message I/O over a stream socket, shared by gateway and client."""
+"""Framed message I/O over a stream socket, shared by gateway and client.
+
+Reads go through `FrameReader`, one reusable buffer per connection: a small
+message (the common case: a lookup, a commit) arrives in one ``recv`` together
+with its header instead of two, and no buffer is allocated per message. Only a
+frame larger than the buffer gets a buffer of its own.
+"""
 
 from __future__ import annotations
 
@@ -15,33 +21,75 @@ from kvharbor.gateway.protocol import (
     encode,
 )
 
+READ_BUFFER_BYTES = 64 * 1024
+"""Per-connection read buffer; larger frames get a one-off buffer."""
+
 
 class PeerClosed(Exception):
     """The other side closed the connection."""
 
 
-def recv_exact(sock: socket.socket, size: int) -> bytearray:
-    buffer = bytearray(size)
-    view = memoryview(buffer)
-    got = 0
-    while got < size:
-        n = sock.recv_into(view[got:], size - got)
-        if n == 0:
-            raise PeerClosed(f"connection closed after {got} of {size} bytes")
-        got += n
-    return buffer
+class FrameReader:
+    """Whole frames from one socket. A body returned by `frame` is a view into
+    the reader's buffer, valid until the next call: decode it before reading on."""
 
+    def __init__(self, sock: socket.socket, body_bytes_max: int) -> None:
+        assert body_bytes_max > 0
+        self._sock = sock
+        self._body_bytes_max = body_bytes_max
+        self._buffer = bytearray(READ_BUFFER_BYTES)
+        self._view = memoryview(self._buffer)
+        self._start = 0  # First unconsumed byte.
+        self._end = 0  # One past the last received byte.
 
-def recv_frame(sock: socket.socket, body_bytes_max: int) -> tuple[FrameHeader, bytearray]:
-    """One frame's header and raw body. A frame too large to read is refused here,
-    before its body is read, and the stream cannot be resynchronised after it."""
-    header = decode_frame_header(bytes(recv_exact(sock, FRAME_BYTES)), body_bytes_max)
-    return header, recv_exact(sock, header.length)
+    def frame(self) -> tuple[FrameHeader, memoryview]:
+        """The next frame's header and body. A frame too large is refused (`ProtocolError`)
+        before its body is read; the stream cannot be resynchronised after that."""
+        self._fill(FRAME_BYTES)
+        header = decode_frame_header(self._view[self._start : self._start + FRAME_BYTES], self._body_bytes_max)
+        self._start += FRAME_BYTES
+        if header.length > len(self._buffer):
+            return header, self._oversized(header.length)
+        self._fill(header.length)
+        body = self._view[self._start : self._start + header.length]
+        self._start += header.length
+        return header, body
 
+    def _fill(self, size: int) -> None:
+        """Make ``size`` unconsumed bytes available, receiving as much as the socket has."""
+        assert size <= len(self._buffer)
+        if self._end - self._start >= size:
+            return
+        if self._start == self._end:
+            self._start = self._end = 0  # All consumed: start over at the front, no copy.
+        if self._start + size > len(self._buffer):
+            # Move the unconsumed tail to the front; it is shorter than one frame header
+            # or one body, so this copy is small.
+            tail = self._end - self._start
+            self._buffer[:tail] = self._buffer[self._start : self._end]
+            self._start, self._end = 0, tail
+        while self._end - self._start < size:
+            n = self._sock.recv_into(self._view[self._end :])
+            if n == 0:
+                raise PeerClosed(f"connection closed after {self._end - self._start} of {size} bytes")
+            self._end += n
 
-def recv_message(sock: socket.socket, body_bytes_max: int) -> tuple[FrameHeader, Message]:
-    header, body = recv_frame(sock, body_bytes_max)
-    return header, decode_body(header.type, body)
+    def _oversized(self, length: int) -> memoryview:
+        body = bytearray(length)
+        have = self._end - self._start
+        body[:have] = self._view[self._start : self._end]
+        self._start = self._end = 0
+        view = memoryview(body)
+        while have < length:
+            n = self._sock.recv_into(view[have:])
+            if n == 0:
+                raise PeerClosed(f"connection closed after {have} of {length} bytes")
+            have += n
+        return view
+
+    def message(self) -> tuple[FrameHeader, Message]:
+        header, body = self.frame()
+        return header, decode_body(header.type, body)
 
 
 def send_message(sock: socket.socket, message: Message, request_id: int) -> None:
@@ -50,10 +98,8 @@ def send_message(sock: socket.socket, message: Message, request_id: int) -> None
 
 __all__ = [
     "ErrorCode",
+    "FrameReader",
     "PeerClosed",
     "ProtocolError",
-    "recv_exact",
-    "recv_frame",
-    "recv_message",
     "send_message",
 ]

@@ -26,17 +26,19 @@ class RamDevice(Device):
 
     def put(self, key: bytes, parts: Sequence[Buffer]) -> None:
         total = self.check_value_size(parts)
-        value = bytearray(total)
-        offset = 0
-        for part in parts:
-            view = memoryview(part).cast("B")
-            value[offset : offset + view.nbytes] = view
-            offset += view.nbytes
+        # One allocation and one copy per part. Not bytearray(total) plus slice
+        # assignment: that zero-fills first, and assigning a memoryview into a
+        # bytearray slice copies it into a temporary bytearray on the way.
+        value = bytearray().join(memoryview(part).cast("B") for part in parts)
+        assert len(value) == total, (len(value), total)
         with self._lock:
             old = self._values.get(key)
             used = self._used_bytes - (len(old) if old is not None else 0) + total
             if used > self.capacity_bytes:
-                raise DeviceFull(self.name, f"{total} bytes do not fit ({self._used_bytes} of {self.capacity_bytes} used)")
+                raise DeviceFull(
+                    self.name,
+                    f"{total} bytes do not fit ({self._used_bytes} of {self.capacity_bytes} used)",
+                )
             self._values[bytes(key)] = value
             self._used_bytes = used
         assert 0 <= self._used_bytes <= self.capacity_bytes

@@ -1,0 +1,97 @@
+"""A gateway client in a process of its own, driven by the gateway tests.
+
+    python client_worker.py MODE CONFIG [ARGS...]
+
+It says what it is doing on stdout, one line at a time, so the test can act
+(SIGKILL it, kill the gateway) at a known point; then it waits for its stdin
+to close, the test's cue to end.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import traceback
+
+from gateway_harness import FINGERPRINT, get_values, roundtrip, shared_items, value_for
+
+from kvharbor.config import load_config
+from kvharbor.gateway import embedded
+from kvharbor.gateway.client import GatewayClient, GatewayError
+
+
+def say(text: str) -> None:
+    print(text, flush=True)
+
+
+def wait_for_cue() -> None:
+    sys.stdin.read()
+
+
+def main(mode: str, config_path: str, *args: str) -> int:
+    config = load_config(config_path, environ={})
+    if mode == "embedded":
+        client = embedded.connect(config, "worker")
+        say(f"{client.hello.gateway_pid}")
+        if args == ("fork",):
+            # A child of the engine (a worker it forks) that outlives it, holding
+            # copies of its descriptors but not its pipes to the test; it ends on SIGTERM.
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+            child = os.fork()
+            if child == 0:
+                for fd in (0, 1, 2):
+                    os.close(fd)
+                signal.sigwait({signal.SIGTERM})
+                os._exit(0)
+            say(f"{child}")
+        wait_for_cue()
+        try:
+            client.lookup([FINGERPRINT])
+            say("lookup-ok")
+        except GatewayError as err:
+            say(f"gateway-error {type(err).__name__}")
+        return 0
+    client = GatewayClient.connect(config.gateway, f"worker-{mode}")
+    if mode == "roundtrip":
+        say(f"checked {roundtrip(client, int(args[0]), shared_items(), int(args[1]))}")
+    elif mode == "hold-put":
+        nbytes, count = int(args[0]), int(args[1])
+        items = [(bytes([i]) * 16, nbytes) for i in range(count)]
+        batch = client.prepare_put(FINGERPRINT, items)
+        for view, (key, size) in zip(batch.views, items, strict=True):
+            assert view is not None, "the test sizes the ring for this batch"
+            view[: size // 2] = value_for(key, size)[: size // 2]  # Half-written when killed.
+        say("prepared")
+        wait_for_cue()
+    elif mode == "hold-get":
+        keys = [bytes.fromhex(k) for k in args]
+        batch = client.get(FINGERPRINT, keys)
+        say(f"holding {len(batch.views)}")
+        wait_for_cue()
+    elif mode == "get-stream":
+        # Gets until the gateway fails; the test kills it mid-stream.
+        items = [(bytes.fromhex(k), int(n)) for k, n in (a.split(":") for a in args)]
+        keys = [k for k, _ in items]
+        rounds = 0
+        try:
+            while True:
+                for value, (key, size) in zip(get_values(client, keys), items, strict=False):
+                    assert value == value_for(key, size)
+                rounds += 1
+                if rounds == 3:
+                    say("streaming")
+        except GatewayError as err:
+            say(f"gateway-error {type(err).__name__} after {rounds} rounds")
+        wait_for_cue()
+    else:
+        raise SystemExit(f"unknown mode {mode}")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main(*sys.argv[1:]))
+    except Exception:
+        traceback.print_exc()
+        sys.exit(1)

@@ -1,0 +1,218 @@
+"""Faults on either side of the transport: the gateway killed or hung, a client killed
+mid-transfer, a second gateway, a full ring. Clients degrade with a `GatewayError`
+and never anything else; the gateway frees what a dead client held and serves on."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from gateway_harness import (
+    FINGERPRINT,
+    GatewayProcess,
+    Lab,
+    closing_client,
+    get_values,
+    put_values,
+    value_for,
+    wait_until,
+)
+
+from kvharbor.config import MIB
+from kvharbor.gateway.client import GatewayUnavailable
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def keys_of(n: int, tag: int = 0) -> list[bytes]:
+    return [bytes([tag, i]) * 8 for i in range(n)]
+
+
+# -- the gateway dies or hangs ----------------------------------------------
+
+
+def test_gateway_killed_between_prepare_and_commit(started: Callable[..., GatewayProcess]) -> None:
+    gateway = started()
+    with closing_client(gateway.client()) as client:
+        items = [(key, 1 * MIB) for key in keys_of(4)]
+        batch = client.prepare_put(FINGERPRINT, items)
+        gateway.kill()
+        # The segment stays mapped: writing into it after the gateway died is safe.
+        for view, (key, size) in zip(batch.views, items, strict=True):
+            assert view is not None
+            view[:] = value_for(key, size)
+        with pytest.raises(GatewayUnavailable, match="connection lost"):
+            client.commit_put(batch)
+        assert client.down is not None
+        with pytest.raises(GatewayUnavailable, match="does not reconnect"):
+            client.lookup(keys_of(1))
+
+
+def test_gateway_killed_during_a_stream_of_gets(lab: Lab, started: Callable[..., GatewayProcess]) -> None:
+    gateway = started()
+    items = [(key, 256 * 1024) for key in keys_of(8)]
+    with closing_client(gateway.client()) as client:
+        assert put_values(client, items) == len(items)
+    # One streaming client in a thread here, one in a process of its own.
+    worker = lab.worker("get-stream", str(gateway.config_path), *(f"{k.hex()}:{n}" for k, n in items))
+    streaming = threading.Event()
+    outcome: list[BaseException | str] = []
+
+    def stream() -> None:
+        with closing_client(gateway.client("stream")) as client:
+            rounds = 0
+            try:
+                while True:
+                    for value, (key, size) in zip(get_values(client, [k for k, _ in items]), items, strict=False):
+                        assert value == value_for(key, size)
+                    rounds += 1
+                    if rounds == 3:
+                        streaming.set()
+            except BaseException as err:  # Judged below: only GatewayUnavailable is right.
+                outcome.append(err)
+                streaming.set()
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    assert streaming.wait(30)
+    assert worker.line() == "streaming"
+    gateway.kill()
+    thread.join(30)
+    assert not thread.is_alive()
+    assert len(outcome) == 1 and isinstance(outcome[0], GatewayUnavailable), outcome
+    assert worker.line().startswith("gateway-error GatewayUnavailable")
+    code, _, err = worker.finish()
+    assert code == 0, err
+
+
+def test_hung_gateway_fails_a_call_within_request_timeout(started: Callable[..., GatewayProcess]) -> None:
+    gateway = started(request_timeout_ms=300, ring_wait_ms=100, progress_interval_ms=100)
+    with closing_client(gateway.client()) as client:
+        assert client.lookup(keys_of(1)) == 0
+        os.kill(gateway.pid, signal.SIGSTOP)
+        # Wait until every thread of it has stopped: the kernel reports it to its parent.
+        _, status = os.waitpid(gateway.pid, os.WUNTRACED)
+        assert os.WIFSTOPPED(status)
+        try:
+            with pytest.raises(GatewayUnavailable, match=r"within 300 ms \(gateway.request_timeout_ms\)"):
+                client.lookup(keys_of(1))
+            # Down for good: the late reply can never be mistaken for another request's.
+            with pytest.raises(GatewayUnavailable, match="does not reconnect"):
+                client.status()
+        finally:
+            os.kill(gateway.pid, signal.SIGCONT)
+
+
+def test_client_does_not_reconnect_to_a_new_gateway(lab: Lab) -> None:
+    """The restart rule: a client whose gateway died stays down, fast, even once a new
+    gateway serves the same socket; only a new client (an engine restart) uses it."""
+    config_path = lab.config()
+    first = lab.gateway(config_path).start()
+    with closing_client(first.client("old")) as old:
+        put_values(old, [(keys_of(1)[0], 4096)])
+        first.kill()
+        with pytest.raises(GatewayUnavailable):
+            old.lookup(keys_of(1))
+        second = lab.gateway(config_path).start()
+        for _ in range(3):
+            with pytest.raises(GatewayUnavailable, match="does not reconnect"):
+                old.lookup(keys_of(1))
+        with closing_client(second.client("new")) as new:
+            status = new.status()
+            assert new.hello.gateway_pid == second.pid != first.pid
+    assert status["counters"]["clients_total"] == 1, "the old client never came back"
+
+
+# -- a client dies mid-transfer ----------------------------------------------
+
+
+def test_client_killed_holding_a_put_frees_its_room(lab: Lab, started: Callable[..., GatewayProcess]) -> None:
+    gateway = started(ring_mb=32)
+    with closing_client(gateway.client("observer")) as observer:
+        full = observer.status()["shm"]["bytes"]
+        worker = lab.worker("hold-put", str(gateway.config_path), str(8 * MIB), "3")
+        assert worker.line() == "prepared"
+        assert observer.status()["shm"]["free_bytes"] == full - 24 * MIB
+        worker.kill()
+        wait_until(lambda: observer.status()["shm"]["free_bytes"] == full, "the dead client's room freed")
+        status = observer.status()
+        assert status["transfers_open"] == 0
+        assert status["counters"]["clients_died_mid_transfer"] == 1
+        # Its half-written values were never committed: nothing of it is stored.
+        assert observer.lookup([bytes([0]) * 16]) == 0
+        # And the ring serves others at full size again.
+        items = [(key, 8 * MIB) for key in keys_of(3, tag=7)]
+        assert put_values(observer, items) == 3
+        assert get_values(observer, [k for k, _ in items]) == [value_for(k, n) for k, n in items]
+    assert "went away with 1 open transfer(s)" in gateway.log()
+
+
+def test_client_killed_holding_a_get_frees_its_room(lab: Lab, started: Callable[..., GatewayProcess]) -> None:
+    gateway = started(ring_mb=32)
+    items = [(key, 4 * MIB) for key in keys_of(4)]
+    with closing_client(gateway.client("observer")) as observer:
+        put_values(observer, items)
+        full = observer.status()["shm"]["bytes"]
+        worker = lab.worker("hold-get", str(gateway.config_path), *(k.hex() for k, _ in items))
+        assert worker.line() == "holding 4"
+        assert observer.status()["shm"]["free_bytes"] < full
+        worker.kill()
+        wait_until(lambda: observer.status()["shm"]["free_bytes"] == full, "the dead client's room freed")
+        assert get_values(observer, [k for k, _ in items]) == [value_for(k, n) for k, n in items]
+
+
+# -- one gateway per socket --------------------------------------------------
+
+
+def test_second_gateway_on_the_same_socket_is_refused(lab: Lab) -> None:
+    config_path = lab.config()
+    first = lab.gateway(config_path).start()
+    second = subprocess.run(
+        [sys.executable, "-m", "kvharbor", "gateway", "--config", str(config_path)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert second.returncode == 2
+    assert f"another gateway (pid {first.pid}) already serves {first.config.gateway.socket}" in second.stderr
+    assert "Traceback" not in second.stderr
+    # The refused one removed nothing of the first: its socket still answers.
+    with closing_client(first.client()) as client:
+        assert client.hello.gateway_pid == first.pid
+        assert client.lookup(keys_of(1)) == 0
+        assert Path(client.hello.shm_path).exists()
+
+
+# -- backpressure ------------------------------------------------------------
+
+
+def test_full_ring_skips_puts_and_counts_them(started: Callable[..., GatewayProcess]) -> None:
+    gateway = started(ring_mb=4, ring_wait_ms=50)
+    stored_key = keys_of(1, tag=4)[0]
+    with closing_client(gateway.client("a")) as a, closing_client(gateway.client("b")) as b:
+        assert put_values(b, [(stored_key, 600 * 1024)]) == 1
+        # Larger than the whole ring: skipped at once, not an exception.
+        big = a.prepare_put(FINGERPRINT, [(keys_of(1)[0], 8 * MIB)])
+        assert big.views == [None]
+        assert a.commit_put(big) == 0
+        # A holds 3 MiB of the 4; B's 2 MiB waits ring_wait_ms, then is skipped.
+        held = a.prepare_put(FINGERPRINT, [(keys_of(1, tag=1)[0], 3 * MIB)])
+        assert held.views[0] is not None
+        skipped = b.prepare_put(FINGERPRINT, [(keys_of(1, tag=2)[0], 2 * MIB), (keys_of(1, tag=3)[0], 512 * 1024)])
+        assert skipped.views[0] is None, "no room for 2 MiB"
+        assert skipped.views[1] is not None, "a smaller value still fits"
+        # A get that finds the ring full (512 KiB left) is a miss, counted too.
+        assert b.lookup([stored_key]) == 1
+        assert b.get(FINGERPRINT, [stored_key]).views == []
+        b.commit_put(skipped)
+        a.commit_put(held)
+        counters = a.status()["counters"]
+        assert counters["ring_full"] == 3
+        # Room again: the same put now goes through.
+        assert put_values(b, [(keys_of(1, tag=2)[0], 2 * MIB)]) == 1

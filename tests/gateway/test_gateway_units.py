@@ -1,0 +1,105 @@
+"""The ring allocator and the /dev/shm sizing plan, on their own."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvharbor.config import MIB
+from kvharbor.gateway.ring import Ring, round_up
+from kvharbor.gateway.shm import PAGE_BYTES, ShmTooSmall, plan_ring
+
+# -- ring ----------------------------------------------------------------------
+
+
+@settings(max_examples=300)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 40 * PAGE_BYTES)), max_size=120))
+def test_ring_extents_never_overlap_and_all_come_back(ops: list[tuple[bool, int]]) -> None:
+    ring = Ring(64 * PAGE_BYTES)
+    held: dict[int, int] = {}
+    for allocate, size in ops:
+        if allocate or not held:
+            offset = ring.allocate(size)
+            if offset is None:
+                continue  # Full, or too fragmented for this size.
+            end = offset + round_up(size)
+            assert offset % PAGE_BYTES == 0 and end <= ring.size
+            assert all(end <= o or offset >= o + n for o, n in held.items()), "overlap"
+            held[offset] = round_up(size)
+        else:
+            offset = next(iter(held))
+            assert ring.free(offset) == held.pop(offset)
+        ring.check()
+        assert ring.free_bytes == ring.size - sum(held.values())
+    for offset in list(held):
+        ring.free(offset)
+    ring.check()
+    assert ring.free_bytes == ring.size
+    assert ring.allocate(ring.size) == 0, "everything coalesced back into one extent"
+
+
+def test_ring_refuses_more_than_it_has_without_waiting() -> None:
+    ring = Ring(4 * PAGE_BYTES)
+    assert ring.allocate(5 * PAGE_BYTES, deadline=time.monotonic() + 3600) is None
+
+
+def test_ring_waiter_gets_room_when_it_is_freed() -> None:
+    ring = Ring(4 * PAGE_BYTES)
+    first = ring.allocate(4 * PAGE_BYTES)
+    assert first == 0
+    got: list[int | None] = []
+    waiter = threading.Thread(target=lambda: got.append(ring.allocate(PAGE_BYTES, time.monotonic() + 30)))
+    waiter.start()
+    ring.free(first)  # Whether the waiter is already waiting or not, it gets the room.
+    waiter.join(30)
+    assert got == [0]
+
+
+def test_ring_deadline_passes_and_none_is_returned() -> None:
+    ring = Ring(PAGE_BYTES)
+    assert ring.allocate(PAGE_BYTES) == 0
+    assert ring.allocate(PAGE_BYTES, deadline=time.monotonic() + 0.01) is None
+
+
+def test_freeing_twice_is_caught() -> None:
+    ring = Ring(4 * PAGE_BYTES)
+    offset = ring.allocate(PAGE_BYTES)
+    assert offset is not None
+    ring.free(offset)
+    with pytest.raises(AssertionError, match="not allocated"):
+        ring.free(offset)
+
+
+# -- /dev/shm sizing -------------------------------------------------------------
+
+
+def test_plan_fits_as_asked() -> None:
+    plan = plan_ring(1024 * MIB, 64 * MIB, free_bytes=4096 * MIB, total_bytes=8192 * MIB, reserve_bytes=64 * MIB)
+    assert plan.granted_bytes == 1024 * MIB and not plan.shrunk
+
+
+def test_plan_shrinks_to_fit_and_says_how_to_enlarge() -> None:
+    plan = plan_ring(1024 * MIB, 64 * MIB, free_bytes=300 * MIB + 123, total_bytes=512 * MIB, reserve_bytes=64 * MIB)
+    assert plan.shrunk and plan.granted_bytes == 236 * MIB
+    warning = plan.warning(Path("/dev/shm"))
+    expected = ("1024 MiB", "300 MiB free of 512 MiB", "64 MiB kept free", "using 236 MiB", "--shm-size=", "--ipc=host")
+    for words in expected:
+        assert words in warning, words
+
+
+def test_plan_refuses_below_the_minimum() -> None:
+    with pytest.raises(ShmTooSmall) as caught:
+        plan_ring(1024 * MIB, 64 * MIB, free_bytes=100 * MIB, total_bytes=100 * MIB, reserve_bytes=64 * MIB)
+    message = str(caught.value)
+    for words in ("at least 64 MiB (gateway.ring_mb_min)", "100 MiB free of 100 MiB", "--shm-size=", "--ipc=host"):
+        assert words in message, words
+
+
+def test_plan_at_exactly_the_minimum_starts() -> None:
+    plan = plan_ring(1024 * MIB, 64 * MIB, free_bytes=64 * MIB, total_bytes=64 * MIB)
+    assert plan.granted_bytes == 64 * MIB
