@@ -20,4 +20,5 @@ lint:
 bench: setup
 	.venv/bin/python bench/keys.py
 	.venv/bin/python bench/store.py
+	.venv/bin/python bench/manifest.py
 	.venv/bin/python bench/ipc.py

@@ -33,6 +33,20 @@ def best_seconds(work: Callable[[], object], repeats: int, min_s: float = 0.05) 
     return best
 
 
+def best_seconds_interleaved(works: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """`best_seconds` of each of ``works``, timed in turn ``repeats`` times round.
+
+    A figure and the reference it is divided by are then drawn from the same
+    stretch of time, so a disturbance that lasts a while (another process's
+    test run) cannot favour whichever was timed when it was quiet.
+    """
+    best = dict.fromkeys(works, float("inf"))
+    for _ in range(repeats):
+        for name, work in works.items():
+            best[name] = min(best[name], best_seconds(work, 1))
+    return best
+
+
 def emit(figures: dict[str, Any], ratios: dict[str, float], as_json: bool) -> None:
     """Print the figures and ratios; with ``as_json`` end with them as one JSON line."""
     width = max(len(name) for name in [*figures, *ratios])

@@ -25,36 +25,19 @@ from __future__ import annotations
 
 import argparse
 import array
-import json
 import random
-import time
-from collections.abc import Callable
+import sys
 from hashlib import blake2b
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import best_seconds, emit
 
 from kvharbor.cache.keys import KEY_BYTES, LayoutFingerprint, chunk_keys, token_bytes
 
 TARGET_TOKENS_PER_S = 20e6
 VOCAB = 128_256  # Llama-3 vocabulary: realistic token id magnitudes.
-
-
-def best_seconds(work: Callable[[], object], repeats: int, min_s: float = 0.05) -> float:
-    """The fastest of ``repeats`` timings of ``work``, each looped for >= ``min_s``."""
-    loops = 1
-    while True:  # Calibrate: enough loops that one timing is well above timer noise.
-        start = time.perf_counter()
-        for _ in range(loops):
-            work()
-        elapsed = time.perf_counter() - start
-        if elapsed >= min_s:
-            break
-        loops *= 2
-    best = elapsed / loops
-    for _ in range(repeats - 1):
-        start = time.perf_counter()
-        for _ in range(loops):
-            work()
-        best = min(best, (time.perf_counter() - start) / loops)
-    return best
 
 
 def main() -> None:
@@ -96,26 +79,11 @@ def main() -> None:
         "keys_from_array_vs_blake2b": figures["keys_from_array_tokens_per_s"] / limit,
         "keys_vs_target": figures["keys_tokens_per_s"] / TARGET_TOKENS_PER_S,
     }
-    print(f"prompt: {len(tokens)} tokens, chunk {args.chunk_size} -> {figures['keys']} keys")
     print(
-        f"chunk_keys   {figures['keys_tokens_per_s'] / 1e6:8.1f} M tokens/s "
-        f"({figures['keys_ms_per_prompt']:.2f} ms per prompt)"
+        f"chunk keys of a {len(tokens)}-token prompt, chunk {args.chunk_size} (best of {args.repeats}); "
+        "blake2b is the physical limit:"
     )
-    print(
-        f"raw blake2b  {figures['blake2b_tokens_per_s'] / 1e6:8.1f} M tokens/s "
-        f"({figures['blake2b_bytes_per_s'] / 1e9:.2f} GB/s) <- physical limit"
-    )
-    print(f"list->bytes  {figures['pack_tokens_per_s'] / 1e6:8.1f} M tokens/s")
-    print(
-        f"chunk_keys from array('I') {figures['keys_from_array_tokens_per_s'] / 1e6:.1f} "
-        f"M tokens/s = {ratios['keys_from_array_vs_blake2b']:.2f} x raw blake2b"
-    )
-    print(
-        f"ratio chunk_keys / raw blake2b = {ratios['keys_vs_blake2b']:.2f}; "
-        f"vs target {TARGET_TOKENS_PER_S / 1e6:.0f} M tokens/s = {ratios['keys_vs_target']:.2f}"
-    )
-    if args.json:
-        print(json.dumps({"figures": figures, "ratios": ratios}))
+    emit(figures, ratios, args.json)
 
 
 if __name__ == "__main__":

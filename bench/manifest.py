@@ -11,8 +11,8 @@
 - ``open``: `open_manifest` of the sound manifest (its ``quick_check`` reads
   every page).
 
-Figures are the best of several repetitions (the least disturbed run).
-Nothing is asserted.
+Figures are in microseconds, the best of several repetitions (the least
+disturbed run). Nothing is asserted.
 
     .venv/bin/python bench/manifest.py [--entries 100000] [--keys 512] [--json]
 """
@@ -21,36 +21,35 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import random
 import sqlite3
+import sys
 import tempfile
-import time
 from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import best_seconds, emit
 
 from kvharbor.cache.index import Entry, MemoryIndex
 from kvharbor.cache.manifest import MANIFEST_FILE, open_manifest
 from kvharbor.hal.file import FileDevice
 
-TARGET_CONTAINS_S = 1e-3
+TARGET_CONTAINS_US = 1000.0
 ENTRY_BYTES = 1 << 20
 
 
-def best_seconds(work: Callable[[], object], repeats: int = 7, loops: int = 20) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(loops):
-            work()
-        best = min(best, (time.perf_counter() - start) / loops)
-    return best
+def best_us(work: Callable[[], object], repeats: int) -> float:
+    return best_seconds(work, repeats) * 1e6
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--entries", type=int, default=100_000)
     parser.add_argument("--keys", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -68,12 +67,13 @@ def main() -> None:
 
         budget = args.entries * ENTRY_BYTES
         fresh = (Entry(rng.randbytes(16), ENTRY_BYTES // 2, 1) for _ in itertools.count())
+        repeats = args.repeats
         figures = {
-            "contains_s": best_seconds(lambda: index.contains(probe)),
-            "contains_memory_s": best_seconds(lambda: memory.contains(probe)),
-            "admit_evicting_s": best_seconds(lambda: index.admit(next(fresh), budget)),
-            "admit_s": best_seconds(lambda: index.admit(next(fresh), 2 * budget)),
-            "touch_s": best_seconds(lambda: index.touch([probe[0]])),
+            "contains_us": best_us(lambda: index.contains(probe), repeats),
+            "contains_memory_us": best_us(lambda: memory.contains(probe), repeats),
+            "admit_evicting_us": best_us(lambda: index.admit(next(fresh), budget), repeats),
+            "admit_us": best_us(lambda: index.admit(next(fresh), 2 * budget), repeats),
+            "touch_us": best_us(lambda: index.touch([probe[0]]), repeats),
         }
         index.close()
         raw = sqlite3.connect(os.path.join(root, MANIFEST_FILE), isolation_level=None)
@@ -83,22 +83,17 @@ def main() -> None:
             raw.execute("UPDATE meta SET value = value WHERE name = 'clock'")
             raw.execute("COMMIT")
 
-        figures["one_row_transaction_s"] = best_seconds(one_row_transaction)
+        figures["one_row_transaction_us"] = best_us(one_row_transaction, repeats)
         raw.close()
-        figures["open_s"] = best_seconds(lambda: open_manifest(device, "bench").close(), repeats=3, loops=1)
+        figures["open_us"] = best_us(lambda: open_manifest(device, "bench").close(), 3)
 
     ratios = {
-        "contains_vs_target": figures["contains_s"] / TARGET_CONTAINS_S,
-        "contains_vs_memory": figures["contains_s"] / figures["contains_memory_s"],
-        "admit_vs_one_row_transaction": figures["admit_s"] / figures["one_row_transaction_s"],
+        "contains_vs_target": figures["contains_us"] / TARGET_CONTAINS_US,
+        "contains_vs_memory": figures["contains_us"] / figures["contains_memory_us"],
+        "admit_vs_one_row_transaction": figures["admit_us"] / figures["one_row_transaction_us"],
     }
-    print(f"manifest of {args.entries} entries, lookups of {args.keys} keys (half present)")
-    for name, seconds in figures.items():
-        print(f"  {name:28s} {seconds * 1e6:10.1f} us")
-    for name, ratio in ratios.items():
-        print(f"  {name:28s} {ratio:10.2f} x")
-    if args.json:
-        print(json.dumps({"figures": figures, "ratios": ratios}))
+    print(f"manifest of {args.entries} entries, lookups of {args.keys} keys (half present), microseconds:")
+    emit(figures, ratios, args.json)
 
 
 if __name__ == "__main__":

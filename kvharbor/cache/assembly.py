@@ -10,6 +10,7 @@ empty and every lookup is a miss: the engine still serves.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 from kvharbor.cache.breaker import BreakerSettings, CircuitBreaker
 from kvharbor.cache.format import HEADER_BYTES, Codec, CorruptObject, decode, encode
@@ -65,11 +66,17 @@ def open_index(device: Device, tier_name: str) -> TierIndex:
     return MemoryIndex()
 
 
-def open_tier(section: TierSection, config: Config) -> Tier:
+def device_limit(section: TierSection, config: Config) -> int:
+    """The largest object (header included) a tier's device must take."""
+    value_max = config.card.fragment_bytes if section.type == "nvme" else config.storage.value_mb_max * MIB
+    return value_max + HEADER_BYTES
+
+
+def open_tier(section: TierSection, config: Config, device: Device | None = None) -> Tier:
     """Open one configured tier; raises ValueError, DeviceError or ProbeFailed."""
     storage = config.storage
-    max_value_bytes = config.card.fragment_bytes if section.type == "nvme" else storage.value_mb_max * MIB
-    device = open_device(section, max_value_bytes + HEADER_BYTES)
+    if device is None:
+        device = open_device(section, device_limit(section, config))
     codec = Codec.from_name(section.codec)
     try:
         if storage.probe:
@@ -84,11 +91,13 @@ def open_tier(section: TierSection, config: Config) -> Tier:
     return Tier(section.name, device, index, section.capacity_bytes, breaker, codec, section.type, reopen)
 
 
-def open_store(config: Config, start_clean: bool = False) -> TieredStore:
+def open_store(config: Config, start_clean: bool = False, devices: Mapping[str, Device] | None = None) -> TieredStore:
+    """Open every configured tier; ``devices`` supplies ready drivers by tier name
+    (the gateway's shared-memory RAM tiers), the registry opens the rest."""
     tiers: list[Tier] = []
     for section in config.storage.tiers:
         try:
-            tier = open_tier(section, config)
+            tier = open_tier(section, config, (devices or {}).get(section.name))
         except ProbeFailed as err:
             _log.warning("kvharbor: tier %s failed its startup probe (%s); skipping", section.name, err)
             continue

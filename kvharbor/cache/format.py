@@ -22,6 +22,11 @@ Values longer than a device's ``max_value_bytes`` are split into fragments:
 fragment 0 under the key itself, fragment i under `fragment_key(key, i)`;
 each carries the parent key, its index and the count, and is verified on its
 own before reassembly.
+
+A reader may checksum the payload while it reads it (`PayloadChecksum` fed by
+`kvharbor.hal.base.Device.get_streamed`, each slice hashed while still in the
+CPU cache) and hand the result to `verify_part` with the bytes (`ReadBack`);
+verification is otherwise the same, and nothing is used before it passes.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import enum
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import lz4.frame
 import xxhash
@@ -111,6 +117,31 @@ class EncodedPart:
 
 def checksum(data: Buffer) -> int:
     return xxhash.xxh3_64_intdigest(data)
+
+
+class PayloadChecksum:
+    """`checksum` of an object's payload, fed the whole object's bytes in order.
+
+    The header's bytes are skipped, every later byte is hashed: the payload's
+    checksum once the object's length is verified (`verify_part` checks it).
+    Streaming xxh3 gives the same digest as hashing the payload in one go.
+    """
+
+    __slots__ = ("_hasher", "_skip")
+
+    def __init__(self) -> None:
+        self._hasher = xxhash.xxh3_64()
+        self._skip = HEADER_BYTES
+
+    def update(self, data: memoryview) -> None:
+        if self._skip:
+            skipped = min(self._skip, data.nbytes)
+            self._skip -= skipped
+            data = data[skipped:]
+        self._hasher.update(data)
+
+    def intdigest(self) -> int:
+        return self._hasher.intdigest()
 
 
 _ZSTD_LEVEL = 3  # zstd's own default: ~300 MB/s+ per core, a good ratio on KV bytes.
@@ -216,11 +247,34 @@ def parse_header(data: Buffer) -> Header:
 
 
 def verify_part(
-    data: memoryview, key: bytes, fingerprint: bytes, index: int, first: Header | None = None
+    data: memoryview,
+    key: bytes,
+    fingerprint: bytes,
+    index: int,
+    first: Header | None = None,
+    payload_checksum: int | None = None,
 ) -> tuple[Header, memoryview]:
     """Check one stored part against what the reader expects; return its payload.
 
     ``first`` is fragment 0's header: every later fragment must agree with it.
+    ``payload_checksum`` is `checksum` of ``data[HEADER_BYTES:]`` when the
+    reader computed it as the bytes arrived (`PayloadChecksum`); else it is
+    computed here.
+    """
+    header = check_header(data, key, fingerprint, index, first)
+    payload = data[HEADER_BYTES : HEADER_BYTES + header.payload_length]
+    if payload_checksum is None:
+        payload_checksum = checksum(payload)
+    if payload_checksum != header.payload_checksum:
+        raise CorruptObject("payload checksum mismatch")
+    return header, payload
+
+
+def check_header(data: memoryview, key: bytes, fingerprint: bytes, index: int, first: Header | None = None) -> Header:
+    """Everything `verify_part` checks except the payload checksum.
+
+    Alone, it serves values whose payload was verified when it landed in memory
+    no one else can write (`kvharbor.hal.base.SharedSpans`).
     """
     header = parse_header(data)
     if header.key != key:
@@ -241,14 +295,30 @@ def verify_part(
     end = HEADER_BYTES + header.payload_length
     if data.nbytes != end:
         raise CorruptObject(f"object is {data.nbytes} bytes, header says {end}")
-    payload = data[HEADER_BYTES:end]
-    if checksum(payload) != header.payload_checksum:
-        raise CorruptObject("payload checksum mismatch")
-    return header, payload
+    return header
 
 
-ReadPart = Callable[[ChunkKey], memoryview | None]
-"""Reads one stored part (header and payload) by device key; None on a miss."""
+class ReadBack(NamedTuple):
+    """One stored part as read, with the payload checksum computed on the way."""
+
+    data: memoryview
+    """Header and payload."""
+    payload_checksum: int
+    """`checksum` of ``data[HEADER_BYTES:]`` (`PayloadChecksum`)."""
+
+
+ReadPart = Callable[[ChunkKey], memoryview | ReadBack | None]
+"""Reads one stored part (header and payload) by device key; None on a miss.
+
+A plain view is checksummed by `verify_part`; a `ReadBack` brings its own."""
+
+
+def _verify_read(
+    got: memoryview | ReadBack, key: bytes, fingerprint: bytes, index: int, first: Header | None = None
+) -> tuple[Header, memoryview]:
+    if isinstance(got, ReadBack):
+        return verify_part(got.data, key, fingerprint, index, first, got.payload_checksum)
+    return verify_part(got, key, fingerprint, index, first)
 
 
 def decode(key: bytes, fingerprint: bytes, read: ReadPart, out: memoryview | None = None) -> memoryview | None:
@@ -264,7 +334,7 @@ def decode(key: bytes, fingerprint: bytes, read: ReadPart, out: memoryview | Non
     first_data = read(ChunkKey(bytes(key)))
     if first_data is None:
         return None
-    first, payload = verify_part(first_data, key, fingerprint, 0)
+    first, payload = _verify_read(first_data, key, fingerprint, 0)
     if first.fragment_count == 1:
         if first.stored_length != payload.nbytes:
             raise CorruptObject("stored length disagrees with the payload")
@@ -276,7 +346,7 @@ def decode(key: bytes, fingerprint: bytes, read: ReadPart, out: memoryview | Non
             data = read(fragment_key(key, index))
             if data is None:
                 raise CorruptObject(f"fragment {index} of {first.fragment_count} is missing")
-            _, payload = verify_part(data, key, fingerprint, index, first)
+            _, payload = _verify_read(data, key, fingerprint, index, first)
         end = offset + payload.nbytes
         if end > first.stored_length:
             raise CorruptObject("fragments hold more bytes than the stored length")

@@ -22,7 +22,7 @@ from typing import Literal
 
 from kvharbor.cache.accounting import HitAccounting
 from kvharbor.cache.index import Entry
-from kvharbor.cache.tier import BufferSource, Tier, TierStatus, new_buffer
+from kvharbor.cache.tier import BufferSource, SharedHit, Tier, TierStatus, new_buffer
 from kvharbor.hal.base import Buffer
 
 WritePolicy = Literal["write_through", "write_back"]
@@ -82,6 +82,14 @@ class TieredStore:
             for upper in reversed(self.tiers[:depth]):
                 self._write_tier(upper, key, fingerprint, value)
             return value
+        return None
+
+    def get_shared(self, key: bytes, fingerprint: bytes, touch: bool = True) -> SharedHit | None:
+        """``key``'s value in place in shared memory, when the first tier holding it
+        is a shared-memory tier that can serve it so; else None (use `get`)."""
+        for tier in self.tiers:
+            if tier.contains([key])[0]:
+                return tier.read_shared(key, fingerprint, touch)
         return None
 
     # -- updates -----------------------------------------------------------

@@ -15,10 +15,30 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 
 from kvharbor.cache.breaker import BreakerState, CircuitBreaker
-from kvharbor.cache.format import HEADER_BYTES, Codec, CorruptObject, decode, encode, parse_header
+from kvharbor.cache.format import (
+    HEADER_BYTES,
+    Codec,
+    CorruptObject,
+    PayloadChecksum,
+    ReadBack,
+    check_header,
+    decode,
+    encode,
+    parse_header,
+    verify_part,
+)
 from kvharbor.cache.index import Entry, OverBudget, TierIndex
 from kvharbor.cache.keys import ChunkKey, fragment_key
-from kvharbor.hal.base import Buffer, BufferTooSmall, Device, DeviceCorrupt, DeviceError, DeviceFull
+from kvharbor.hal.base import (
+    Buffer,
+    BufferTooSmall,
+    Device,
+    DeviceCorrupt,
+    DeviceError,
+    DeviceFull,
+    SharedSpan,
+    SharedSpans,
+)
 from kvharbor.telemetry.log import OnceLog, get_logger
 
 _log = get_logger("kvharbor.cache.tier")
@@ -50,6 +70,20 @@ class TierCounters:
 
     def snapshot(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True, slots=True)
+class SharedHit:
+    """A value served in place: ``offset`` and ``length`` of the value (not its header)
+    in the shared segment, valid until `release`."""
+
+    device: SharedSpans
+    span: SharedSpan
+    offset: int
+    length: int
+
+    def release(self) -> None:
+        self.device.unpin(self.span)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,15 +162,7 @@ class Tier:
         try:
             value = decode(key, fingerprint, self._read_part_fn(key, source))
         except CorruptObject as err:
-            self._count(corrupt=1)
-            _log.warning(
-                "kvharbor: corrupt chunk %s in tier '%s' (%s) -> treated as miss",
-                key.hex(),
-                self.name,
-                err,
-            )
-            self.delete([key])
-            self._ok()  # The device answered; the bytes were bad.
+            self._corrupt(key, err)
             return None
         except BufferTooSmall:
             return None  # Rewritten larger between size and read by another process: a miss.
@@ -153,6 +179,37 @@ class Tier:
             self.touch([key])
         self._count(hits=1, hit_bytes=value.nbytes)
         return value
+
+    def read_shared(self, key: bytes, fingerprint: bytes, touch: bool = True) -> SharedHit | None:
+        """``key``'s value in place in shared memory, pinned until `SharedHit.release`.
+
+        None when this tier cannot serve it in place (a miss, not a shared-memory
+        device, compressed or fragmented); the caller then reads it with `read`.
+        Only the header is checked here: the payload was verified when it landed
+        in memory that no client can write (see `_verify_shared`).
+        """
+        device = self.device
+        if not isinstance(device, SharedSpans) or not self._allow():
+            return None
+        span = device.pin(key)
+        if span is None:
+            self._remove_from_index([key])
+            self._ok()
+            return None
+        try:
+            header = check_header(device.view(span), key, fingerprint, 0)
+        except CorruptObject as err:
+            device.unpin(span)
+            self._corrupt(key, err)
+            return None
+        if header.fragment_count != 1 or header.codec is not Codec.NONE:
+            device.unpin(span)
+            return None
+        self._ok()
+        if touch:
+            self.touch([key])
+        self._count(gets=1, hits=1, hit_bytes=header.raw_length)
+        return SharedHit(device, span, span.offset + HEADER_BYTES, header.raw_length)
 
     def read_evicted(self, entry: Entry) -> tuple[bytes, memoryview] | None:
         """Read an entry the index has already let go, for write-back demotion.
@@ -224,6 +281,9 @@ class Tier:
             self._forget(entry)
             self._fault("write", err)
             return False
+        if not self._verify_shared(key, fingerprint, len(parts)):
+            self._forget(entry)
+            return False
         self._once.clear(f"full:{self.name}")
         self._ok()
         self._count(puts=1, put_bytes=entry.nbytes)
@@ -281,17 +341,23 @@ class Tier:
 
     # -- internals ---------------------------------------------------------
 
-    def _read_part_fn(self, key: bytes, source: BufferSource) -> Callable[[ChunkKey], memoryview | None]:
-        """A reader of one device object; fragment 0 lands in a buffer from ``source``."""
+    def _read_part_fn(self, key: bytes, source: BufferSource) -> Callable[[ChunkKey], ReadBack | None]:
+        """A reader of one device object; fragment 0 lands in a buffer from ``source``.
 
-        def read_part(device_key: ChunkKey) -> memoryview | None:
+        The payload is checksummed slice by slice as the device fills the
+        buffer, each slice while it is still in the CPU cache; `decode` verifies
+        the object with that checksum before anything uses the value.
+        """
+
+        def read_part(device_key: ChunkKey) -> ReadBack | None:
             size = self.device.size(device_key)
             if size is None:
                 return None
             buffer = source(size) if device_key == key else new_buffer(size)
             assert buffer.nbytes == size, (buffer.nbytes, size)
-            got = self.device.get(device_key, buffer)
-            return None if got is None else buffer[:got]
+            payload_checksum = PayloadChecksum()
+            got = self.device.get_streamed(device_key, buffer, payload_checksum.update)
+            return None if got is None else ReadBack(buffer[:got], payload_checksum.intdigest())
 
         return read_part
 
@@ -317,6 +383,36 @@ class Tier:
         except DeviceError as err:
             self._fault("delete", err)
             return False
+
+    def _corrupt(self, key: bytes, err: CorruptObject) -> None:
+        """Count, say and drop a damaged object; the device answered, so it is not sick."""
+        self._count(corrupt=1)
+        _log.warning("kvharbor: corrupt chunk %s in tier '%s' (%s) -> treated as miss", key.hex(), self.name, err)
+        self.delete([key])
+        self._ok()
+
+    def _verify_shared(self, key: bytes, fingerprint: bytes, parts: int) -> bool:
+        """Verify a value just written to shared memory, in the copy readers will see.
+
+        The source was a client-writable ring: a client that changed it while
+        it was stored would otherwise leave bytes that disagree with their
+        checksum where hits are served without one.
+        """
+        device = self.device
+        if not isinstance(device, SharedSpans):
+            return True
+        for index in range(parts):
+            span = device.pin(key if index == 0 else fragment_key(key, index))
+            if span is None:
+                return False  # Replaced or evicted meanwhile by another writer.
+            try:
+                verify_part(device.view(span), key, fingerprint, index)
+            except CorruptObject as err:
+                self._corrupt(key, err)
+                return False
+            finally:
+                device.unpin(span)
+        return True
 
     def _remove_from_index(self, keys: Sequence[bytes]) -> None:
         try:

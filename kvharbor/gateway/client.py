@@ -156,7 +156,7 @@ class GatewayClient:
                 "deploy both from the same release"
             )
         try:
-            segment = Segment.attach(Path(reply.shm_path), reply.shm_bytes)
+            segment = Segment.attach(Path(reply.shm_path), reply.shm_bytes, reply.ring_bytes)
         except ShmUnavailable as err:
             sock.close()
             raise GatewayUnavailable(str(err)) from None
@@ -188,7 +188,7 @@ class GatewayClient:
             raise self._fail(f"PUT_READY has {len(ready.offsets)} offsets for {len(items)} values")
         views: list[memoryview | None] = []
         for offset, (_, size) in zip(ready.offsets, items, strict=True):
-            views.append(None if offset == p.SKIP else self._span(offset, size))
+            views.append(None if offset == p.SKIP else self._span(offset, size, self.hello.ring_bytes))
         return PutBatch(ready.batch, views)
 
     def commit_put(self, batch: PutBatch) -> int:
@@ -216,9 +216,11 @@ class GatewayClient:
 
     # -- internals -----------------------------------------------------------
 
-    def _span(self, offset: int, size: int) -> memoryview:
-        if offset + size > self.segment.size:
-            raise self._fail(f"span {offset}+{size} lies outside the {self.segment.size}-byte segment")
+    def _span(self, offset: int, size: int, limit: int | None = None) -> memoryview:
+        """The segment's bytes at ``offset``; put spans must lie in the writable ring."""
+        end = self.segment.size if limit is None else limit
+        if offset + size > end:
+            raise self._fail(f"span {offset}+{size} lies outside the {end} bytes it must be in")
         return self.segment.view[offset : offset + size]
 
     def _fail(self, reason: str) -> GatewayUnavailable:

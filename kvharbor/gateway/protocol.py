@@ -23,7 +23,7 @@ from typing import Any, ClassVar, NamedTuple
 
 from kvharbor.cache.keys import KEY_BYTES
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """Bumped on any change to frames or message bodies. 2: PROGRESS."""
 
 FRAME = struct.Struct("<IHHQ")
@@ -228,6 +228,8 @@ class HelloOk(Message):
     release: str
     shm_path: str
     shm_bytes: int
+    ring_bytes: int
+    """Clients write only the segment's first ``ring_bytes``; they map the rest read-only."""
     gateway_pid: int
 
     def body(self) -> bytes:
@@ -236,12 +238,15 @@ class HelloOk(Message):
             + _text(self.release)
             + _text(self.shm_path)
             + _U64.pack(self.shm_bytes)
+            + _U64.pack(self.ring_bytes)
             + _U32.pack(self.gateway_pid)
         )
 
     @classmethod
     def parse(cls, reader: _Reader) -> HelloOk:
-        return cls(reader.u32(), reader.text(), reader.text(), reader.unpack(_U64)[0], reader.u32())
+        return cls(
+            reader.u32(), reader.text(), reader.text(), reader.unpack(_U64)[0], reader.unpack(_U64)[0], reader.u32()
+        )
 
 
 @dataclass(frozen=True, slots=True)

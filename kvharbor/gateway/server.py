@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kvharbor import __version__
-from kvharbor.cache.assembly import open_store
+from kvharbor.cache.assembly import device_limit, open_store
 from kvharbor.cache.store import TieredStore
 from kvharbor.config import MIB, Config
 from kvharbor.gateway import protocol as p
@@ -35,6 +35,7 @@ from kvharbor.gateway.shm import (
     PAGE_BYTES,
     Segment,
     ShmTooSmall,
+    enlarge_hint,
     plan_ring,
     remove_stale_segments,
     segment_path,
@@ -42,9 +43,17 @@ from kvharbor.gateway.shm import (
 )
 from kvharbor.gateway.transfers import Batch, Transfers
 from kvharbor.gateway.wire import FrameReader, PeerClosed, send_message
+from kvharbor.hal.base import Device
+from kvharbor.hal.extents import round_up
+from kvharbor.hal.shm_ram import SharedRamDevice
 from kvharbor.telemetry.log import get_logger
 
 _log = get_logger("kvharbor.gateway")
+
+RAM_SLACK_DIVISOR = 64
+RAM_SLACK_BYTES = 16 * MIB
+"""A RAM tier's region is its budget plus 1/64 plus 16 MiB: values are stored in
+whole pages, so the region must hold a little more than the budget counts."""
 
 ACCEPT_RETRY_MS = 100
 """Back-off after a failed accept (e.g. out of file descriptors) before trying again."""
@@ -110,6 +119,8 @@ class Gateway:
         self.socket_path = Path(config.gateway.socket)
         self.counters = GatewayCounters()
         self.segment: Segment | None = None
+        self.ring_bytes = 0
+        """The segment's first bytes, the transfer ring; RAM tiers follow it."""
         self.store: TieredStore | None = None
         self.transfers: Transfers | None = None
         self._listener: socket.socket | None = None
@@ -137,10 +148,10 @@ class Gateway:
             raise GatewayStartError(f"gateway.shm_dir {shm_dir} is not a directory")
         remove_stale_segments(shm_dir, gw.shm_name)
         free, total = shm_space(shm_dir)
-        self._create_segment(shm_dir, free, total)
+        shared = self._create_segment(shm_dir, free, total)
         assert self.segment is not None
-        self.store = open_store(self.config, start_clean=self.start_clean)
-        self.transfers = Transfers(self.config, self.store, self.segment, self._count)
+        self.store = open_store(self.config, start_clean=self.start_clean, devices=shared)
+        self.transfers = Transfers(self.config, self.store, self.segment, self.ring_bytes, self._count)
         # Ours to replace: we hold the lock, so a socket file here is a dead gateway's.
         self.socket_path.unlink(missing_ok=True)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -154,7 +165,14 @@ class Gateway:
             self.segment.size // MIB, int(self.start_clean),
         )  # fmt: skip
 
-    def _create_segment(self, shm_dir: Path, free: int, total: int) -> None:
+    def _create_segment(self, shm_dir: Path, free: int, total: int) -> dict[str, Device]:
+        """Create the segment: the transfer ring, then a region per RAM tier.
+
+        RAM tiers live in the segment when it has room for them, so their hits
+        are served in place (one copy to the client, one DMA to a GPU); else
+        they stay in the gateway's own memory, which costs a copy per hit.
+        Returns the shared-memory devices by tier name.
+        """
         gw = self.config.gateway
         try:
             plan = plan_ring(gw.ring_mb * MIB, gw.ring_mb_min * MIB, free, total, gw.shm_reserve_mb * MIB, shm_dir)
@@ -162,11 +180,35 @@ class Gateway:
             raise GatewayStartError(str(err)) from None
         if plan.shrunk:
             _log.warning("kvharbor: %s", plan.warning(shm_dir))
-        size = plan.granted_bytes - plan.granted_bytes % PAGE_BYTES
+        ring = plan.granted_bytes - plan.granted_bytes % PAGE_BYTES
+        ram_tiers = [t for t in self.config.storage.tiers if t.type == "ram"]
+        regions = {t.name: round_up(t.capacity_bytes + t.capacity_bytes // RAM_SLACK_DIVISOR + RAM_SLACK_BYTES)
+                   for t in ram_tiers}  # fmt: skip
+        room = free - ring - gw.shm_reserve_mb * MIB
+        if sum(regions.values()) > room:
+            if regions:
+                _log.warning(
+                    "kvharbor: RAM tier(s) %s (%d MiB) do not fit in %s beside the ring (%d MiB free); kept in the "
+                    "gateway's memory, so each hit costs one more copy. %s",
+                    ", ".join(regions), sum(regions.values()) // MIB, shm_dir, max(room, 0) // MIB,
+                    enlarge_hint(ring + sum(regions.values())),
+                )  # fmt: skip
+            regions = {}
+        size = ring + sum(regions.values())
         try:
             self.segment = Segment.create(segment_path(shm_dir, gw.shm_name, os.getpid()), size)
         except (ShmTooSmall, OSError) as err:
             raise GatewayStartError(str(err)) from None
+        self.ring_bytes = ring
+        devices: dict[str, Device] = {}
+        at = ring
+        for tier in ram_tiers:
+            if tier.name in regions:
+                region = self.segment.view[at : at + regions[tier.name]]
+                devices[tier.name] = SharedRamDevice(tier.name, region, at, device_limit(tier, self.config))
+                at += regions[tier.name]
+        assert at == size
+        return devices
 
     def serve_forever(self) -> None:
         assert self._listener is not None, "start() first"
@@ -261,7 +303,9 @@ class Gateway:
             "shm": {
                 "path": str(self.segment.path),
                 "bytes": self.segment.size,
+                "ring_bytes": self.ring_bytes,
                 "free_bytes": self.transfers.ring.free_bytes,
+                "pinned": self.transfers.pinned,
             },
             "clients": len(connections),
             "transfers_open": sum(len(c.batches) for c in connections),
@@ -372,7 +416,9 @@ class Gateway:
             )
         assert self.segment is not None
         _log.info("kvharbor: client %r (pid %d) attached", hello.client, hello.pid)
-        return p.HelloOk(p.PROTOCOL_VERSION, __version__, str(self.segment.path), self.segment.size, os.getpid())
+        return p.HelloOk(
+            p.PROTOCOL_VERSION, __version__, str(self.segment.path), self.segment.size, self.ring_bytes, os.getpid()
+        )
 
     # -- helpers -----------------------------------------------------------
 

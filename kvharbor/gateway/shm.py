@@ -11,6 +11,7 @@ that cannot open the segment says so, with the settings that fix it.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 import os
 import re
@@ -19,14 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvharbor.config import MIB
+from kvharbor.hal.extents import PAGE_BYTES
 from kvharbor.telemetry.log import get_logger
 
 _log = get_logger("kvharbor.gateway.shm")
 
 SHM_DIR = Path("/dev/shm")
-PAGE_BYTES = 4096
-"""Allocation granularity: page alignment keeps O_DIRECT and CUDA host registration possible."""
-
 SHARE_HINT = (
     "the engine and the gateway must share the host's IPC namespace and /dev/shm: "
     "docker run --ipc=host, Kubernetes hostIPC: true, and no volume mounted over /dev/shm"
@@ -137,7 +136,9 @@ class Segment:
         return cls(path, fd, size, owner=True)
 
     @classmethod
-    def attach(cls, path: Path, size: int) -> Segment:
+    def attach(cls, path: Path, size: int, writable_bytes: int | None = None) -> Segment:
+        """Map a gateway's segment; bytes past ``writable_bytes`` (the RAM tiers)
+        are made read-only, so a client bug cannot damage stored values."""
         try:
             fd = os.open(path, os.O_RDWR)
         except OSError as err:
@@ -148,7 +149,11 @@ class Segment:
         if actual != size:
             os.close(fd)
             raise ShmUnavailable(f"shared memory {path} is {actual} bytes, the gateway announced {size}; {SHARE_HINT}")
-        return cls(path, fd, size, owner=False)
+        segment = cls(path, fd, size, owner=False)
+        if writable_bytes is not None and writable_bytes < size:
+            assert writable_bytes % PAGE_BYTES == 0, writable_bytes
+            _protect_read_only(segment.view[writable_bytes:])
+        return segment
 
     def close(self) -> None:
         self.view.release()
@@ -157,6 +162,14 @@ class Segment:
             self.map.close()
         if self.owner:
             self.path.unlink(missing_ok=True)
+
+
+def _protect_read_only(view: memoryview) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(view))
+    if libc.mprotect(ctypes.c_void_p(address), ctypes.c_size_t(view.nbytes), mmap.PROT_READ) != 0:
+        errno = ctypes.get_errno()
+        raise ShmUnavailable(f"cannot make the RAM tier mapping read-only: {os.strerror(errno)}")
 
 
 # -- stale segments ----------------------------------------------------------

@@ -17,10 +17,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvharbor.cache.store import TieredStore
+from kvharbor.cache.tier import SharedHit
 from kvharbor.config import MIB, Config
 from kvharbor.gateway import protocol as p
-from kvharbor.gateway.ring import Ring
 from kvharbor.gateway.shm import Segment
+from kvharbor.hal.extents import Extents
 
 Progress = Callable[[int], None]
 """Told how many items of a long request are done, so the client hears from it."""
@@ -39,22 +40,27 @@ class Batch:
     kind: str
     """"put" or "get"."""
     extents: list[int] = field(default_factory=list)
+    shared: list[SharedHit] = field(default_factory=list)
+    """get: values served in place from a shared-memory RAM tier, pinned until release."""
     items: list[tuple[bytes, int, int]] = field(default_factory=list)
     """put: (key, offset, length) of each value to store."""
     fingerprint: bytes = b""
 
 
 class Transfers:
-    def __init__(self, config: Config, store: TieredStore, segment: Segment, count: Count) -> None:
+    def __init__(self, config: Config, store: TieredStore, segment: Segment, ring_bytes: int, count: Count) -> None:
+        assert 0 < ring_bytes <= segment.size
         self.store = store
         self.segment = segment
-        self.ring = Ring(segment.size)
+        self.ring = Extents(ring_bytes)  # The segment's head; RAM tiers own the rest.
         self._count = count
         self._ring_wait_s = config.gateway.ring_wait_ms / 1000
         self._value_max = config.storage.value_mb_max * MIB
         self._segment_address = _address(segment.view)
         self._batch_ids = iter(range(1, 2**63))
         self._batch_lock = threading.Lock()
+        self.pinned = 0
+        """RAM-tier values clients are reading in place right now."""
 
     # -- puts ----------------------------------------------------------------
 
@@ -98,7 +104,9 @@ class Transfers:
         pinned = frozenset(key for key, _, _ in batch.items)  # The batch's own chunks stay.
         stored = 0
         stored_bytes = 0
-        for key, offset, size in batch.items:
+        # Tail first, so a prefix's head is the most recently admitted and the
+        # last to be evicted (an evicted head strands every later chunk).
+        for key, offset, size in reversed(batch.items):
             assert offset + size <= self.segment.size
             if self.store.put(key, batch.fingerprint, view[offset : offset + size], pinned):
                 stored += 1
@@ -129,12 +137,23 @@ class Transfers:
         got_bytes = 0
         try:
             for key in keys:
-                value = self.store.get(key, fingerprint, source)
-                if value is None:
-                    break
-                spans.append(self._place(value, source))
-                got_bytes += value.nbytes
+                hit = self.store.get_shared(key, fingerprint, touch=False)
+                if hit is not None:
+                    with self._batch_lock:
+                        self.pinned += 1
+                    batch.shared.append(hit)  # In place: no copy at all on this side.
+                    spans.append((hit.offset, hit.length))
+                    got_bytes += hit.length
+                else:
+                    value = self.store.get(key, fingerprint, source, touch=False)
+                    if value is None:
+                        break
+                    spans.append(self._place(value, source))
+                    got_bytes += value.nbytes
                 progress(len(spans))
+            # Recency for the whole prefix at once, its head last: evicting the
+            # head first would strand every later chunk.
+            self.store.touch(list(reversed(keys[: len(spans)])))
         except _RingFull:
             self._count(ring_full=1)  # The hits so far are served; the rest are misses.
         except BaseException:
@@ -161,6 +180,12 @@ class Transfers:
         """Give a batch's extents back to the ring; returns the bytes freed."""
         freed = sum(self.ring.free(offset) for offset in batch.extents)
         batch.extents.clear()
+        for hit in batch.shared:
+            hit.release()
+        with self._batch_lock:
+            self.pinned -= len(batch.shared)
+            assert self.pinned >= 0
+        batch.shared.clear()
         return freed
 
     def _deadline(self) -> float:

@@ -9,7 +9,8 @@ Contract for every driver:
 - ``put`` is atomic: after it returns, ``get`` sees the whole new value; after
   a crash, it sees the old value, the new one, or a miss — never a mix.
 - ``get`` copies into the caller's buffer and says how many bytes it wrote; a
-  miss is ``None``, never an exception.
+  miss is ``None``, never an exception. One ``get`` (and one ``get_streamed``)
+  sees one version of the value, even while another process replaces it.
 - Errors are typed (`DeviceFull`, `DeviceUnavailable`, `DeviceTransient`,
   `DeviceCorrupt`) so the cache can tell a full card from a dead one; a driver
   never lets an ``OSError`` escape untyped.
@@ -20,12 +21,21 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
 
 Buffer: TypeAlias = bytes | bytearray | memoryview
 """Anything that exposes contiguous bytes through the buffer protocol."""
+
+SliceConsumer: TypeAlias = Callable[[memoryview], object]
+"""Takes each slice of a value as `Device.get_streamed` fills it in."""
+
+STREAM_SLICE_BYTES = 256 * 1024
+"""Slice size of `Device.get_streamed`: small enough that a slice the device just
+wrote into the buffer is still in the CPU's L2 cache when the consumer reads it
+(hashing a 32 MiB value then costs a cache pass, not a second pass over memory),
+large enough that the calls per slice cost little (measured in bench/store.py)."""
 
 
 class DeviceError(Exception):
@@ -81,6 +91,17 @@ class Usage:
     keys: int
 
 
+def copy_streamed(source: memoryview, into: memoryview, consume: SliceConsumer, slice_bytes: int) -> int:
+    """Copy ``source`` into ``into`` slice by slice, handing each copied slice to
+    ``consume`` while it is still in the CPU cache (for drivers that hold values in memory)."""
+    assert slice_bytes > 0 and into.nbytes >= source.nbytes
+    for start in range(0, source.nbytes, slice_bytes):
+        end = min(start + slice_bytes, source.nbytes)
+        into[start:end] = source[start:end]
+        consume(into[start:end])
+    return source.nbytes
+
+
 class Device(ABC):
     """A key-value store of opaque byte values; see the module docstring."""
 
@@ -102,6 +123,33 @@ class Device(ABC):
 
         Raises `BufferTooSmall` when ``into`` is shorter than the value.
         """
+
+    def get_streamed(
+        self,
+        key: bytes,
+        into: memoryview,
+        consume: SliceConsumer,
+        slice_bytes: int = STREAM_SLICE_BYTES,
+    ) -> int | None:
+        """`get`, handing each part of ``into`` to ``consume`` as soon as it holds its bytes.
+
+        The slices are consecutive views of ``into``, in order, that cover the
+        value exactly once, each at most ``slice_bytes`` long; ``consume`` sees
+        no slice on a miss. Result, misses and errors are those of `get`, and
+        like `get` it reads one version of the value, so the slices never mix an
+        old value with a new one. The cache checksums a value slice by slice
+        while each is still in the CPU cache, instead of in a second pass.
+
+        The default gets the whole value, then hands it out: correct for any
+        driver; a driver that can read a value in pieces overrides it.
+        """
+        assert slice_bytes > 0, slice_bytes
+        got = self.get(key, into)
+        if got is not None:
+            view = into.cast("B") if into.format != "B" else into
+            for start in range(0, got, slice_bytes):
+                consume(view[start : min(start + slice_bytes, got)])
+        return got
 
     def peek(self, key: bytes, into: memoryview) -> int | None:
         """Copy the first ``into.nbytes`` bytes of the value (fewer if it is shorter).
@@ -192,3 +240,34 @@ class PersistentDevice(ABC):
     @property
     @abstractmethod
     def state_dir(self) -> str: ...
+
+
+@dataclass(frozen=True, slots=True)
+class SharedSpan:
+    """A stored value's place in memory other processes map: ``offset`` and
+    ``length`` in the shared segment, pinned until `SharedSpans.unpin`."""
+
+    offset: int
+    length: int
+    token: object
+    """Identifies the pinned object (a later put under the same key is another object)."""
+
+
+class SharedSpans(ABC):
+    """Mixin for devices whose values live in shared memory, so a reader in another
+    process can copy a value straight out (one copy; one DMA to a GPU).
+
+    A pinned value is not freed, even when it is deleted or replaced, until it is
+    unpinned: the reader's copy can never see the bytes of another value.
+    """
+
+    @abstractmethod
+    def pin(self, key: bytes) -> SharedSpan | None:
+        """The span of ``key``'s value, pinned; None on a miss."""
+
+    @abstractmethod
+    def unpin(self, span: SharedSpan) -> None: ...
+
+    @abstractmethod
+    def view(self, span: SharedSpan) -> memoryview:
+        """The pinned bytes, for the owner to verify."""

@@ -10,7 +10,11 @@ A put is atomic and crash-safe: the value goes to a temp file beside its final
 name, is fsynced, renamed over the final name, and the directory is fsynced so
 the rename itself survives a power cut. A reader therefore sees the old value,
 the new one, or a miss — never a prefix. Files are never changed in place, so
-a file that shrinks while it is read was damaged from outside.
+a file that shrinks while it is read was damaged from outside. A read, whole
+or streamed in slices (`get_streamed`), goes through one descriptor: it reads
+one version even while a put renames a new one over it. Reads use ``preadv``,
+not ``mmap``: a mapped file truncated from outside, or gone stale on NFS,
+kills the reader with SIGBUS, where ``preadv`` reports the damage.
 
 Temp files left by crashed writers are removed when the device is opened
 (see `kvharbor.hal.tempfiles` for how a dead writer is told from a live one);
@@ -32,6 +36,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from kvharbor.config import FileTierSection
 from kvharbor.hal.base import (
+    STREAM_SLICE_BYTES,
     Buffer,
     BufferTooSmall,
     Device,
@@ -41,6 +46,7 @@ from kvharbor.hal.base import (
     Health,
     HealthState,
     PersistentDevice,
+    SliceConsumer,
     Usage,
 )
 from kvharbor.hal.posix import device_error, fsync_dir, read_into, write_all
@@ -125,7 +131,7 @@ class FileDevice(Device, PersistentDevice):
         directory = os.path.dirname(path)
         temp = os.path.join(directory, temp_name(os.path.basename(path), self._machine))
         try:
-            fd = self._create(temp, directory)
+            fd, new_entries = self._create(temp, directory)
             try:
                 written = write_all(fd, views)
                 if self.fsync:
@@ -135,7 +141,13 @@ class FileDevice(Device, PersistentDevice):
             assert written == total, (written, total)
             os.rename(temp, path)
             if self.fsync:
-                fsync_dir(directory)
+                # The rename, then the entries of the fan-out directories this
+                # put made. Flushed here rather than after each mkdir: as durable
+                # (all before put returns), and on a journaling filesystem the
+                # file's fsync has already committed the mkdirs, so those flushes
+                # usually find nothing left to write.
+                for changed in (directory, *new_entries):
+                    fsync_dir(changed)
         except BaseException as err:
             _remove_quietly(temp)
             if isinstance(err, OSError):
@@ -143,23 +155,18 @@ class FileDevice(Device, PersistentDevice):
             raise
 
     def get(self, key: bytes, into: memoryview) -> int | None:
-        path = self._path(key)
-        fd = self._open_or_miss(path, "get")
-        if fd is None:
-            return None
-        view = _bytes_view(into)
-        try:
-            size = os.fstat(fd).st_size
-            if size > view.nbytes:
-                raise BufferTooSmall(self.name, size, view.nbytes)
-            got = read_into(fd, view[:size])
-        except OSError as err:
-            raise self._error(err, f"get {path}") from err
-        finally:
-            os.close(fd)
-        if got != size:
-            raise DeviceCorrupt(self.name, f"{path} shrank from {size} to {got} bytes while being read")
-        return size
+        return self._read(key, into, None, 0)
+
+    def get_streamed(
+        self,
+        key: bytes,
+        into: memoryview,
+        consume: SliceConsumer,
+        slice_bytes: int = STREAM_SLICE_BYTES,
+    ) -> int | None:
+        """One descriptor for the whole value (one version of it), read a slice at a time."""
+        assert slice_bytes > 0, slice_bytes
+        return self._read(key, into, consume, slice_bytes)
 
     def peek(self, key: bytes, into: memoryview) -> int | None:
         path = self._path(key)
@@ -268,17 +275,55 @@ class FileDevice(Device, PersistentDevice):
         except OSError as err:
             raise DeviceUnavailable(self.name, f"path {self.root} is not writable ({err.strerror})") from err
 
-    def _create(self, temp: str, directory: str) -> int:
+    def _read(self, key: bytes, into: memoryview, consume: SliceConsumer | None, slice_bytes: int) -> int | None:
+        """Read the value into ``into`` through one descriptor: whole (``slice_bytes``
+        0), or a slice at a time, each handed to ``consume`` as soon as it is filled."""
+        path = self._path(key)
+        fd = self._open_or_miss(path, "get")
+        if fd is None:
+            return None
+        view = _bytes_view(into)
+        got = 0
         try:
-            return os.open(temp, _CREATE_FLAGS, _FILE_MODE)
+            try:
+                size = os.fstat(fd).st_size
+            except OSError as err:
+                raise self._error(err, f"get {path}") from err
+            if size > view.nbytes:
+                raise BufferTooSmall(self.name, size, view.nbytes)
+            step = slice_bytes or size
+            while got < size:
+                # A short read (signal, network filesystem) just makes a shorter slice.
+                piece = view[got : min(got + step, size)]
+                try:
+                    n = os.preadv(fd, [piece], got)
+                except OSError as err:
+                    raise self._error(err, f"get {path}") from err
+                if n == 0:
+                    break  # The file ended early; said just below.
+                if consume is not None:
+                    consume(piece if n == piece.nbytes else piece[:n])
+                got += n
+        finally:
+            os.close(fd)
+        if got != size:
+            raise DeviceCorrupt(self.name, f"{path} shrank from {size} to {got} bytes while being read")
+        return size
+
+    def _create(self, temp: str, directory: str) -> tuple[int, list[str]]:
+        """Create ``temp``; also returns the directories that gained a fan-out
+        subdirectory on the way, deepest first (their entries are not yet durable)."""
+        try:
+            return os.open(temp, _CREATE_FLAGS, _FILE_MODE), []
         except FileNotFoundError:
             if directory == self.root:
                 raise  # The root itself is gone; see `_make_fanout`.
-            self._make_fanout(directory)
-            return os.open(temp, _CREATE_FLAGS, _FILE_MODE)
+            new_entries = self._make_fanout(directory)
+            return os.open(temp, _CREATE_FLAGS, _FILE_MODE), new_entries
 
-    def _make_fanout(self, directory: str) -> None:
-        """Make the fan-out directories down to ``directory``, never the root itself.
+    def _make_fanout(self, directory: str) -> list[str]:
+        """Make the fan-out directories down to ``directory``, never the root itself;
+        returns the directories that gained an entry, deepest first.
 
         Recreating a vanished root would write under an empty mount point, onto
         the wrong disk; an absent root stays an error (ENOENT, unavailable).
@@ -286,6 +331,7 @@ class FileDevice(Device, PersistentDevice):
         relative = os.path.relpath(directory, self.root)
         assert relative != os.curdir and not relative.startswith(os.pardir), directory
         parent = self.root
+        changed = []
         for name in relative.split(os.sep):
             path = os.path.join(parent, name)
             try:
@@ -293,9 +339,9 @@ class FileDevice(Device, PersistentDevice):
             except FileExistsError:
                 pass
             else:
-                if self.fsync:
-                    fsync_dir(parent)
+                changed.append(parent)
             parent = path
+        return changed[::-1]
 
     def _open_or_miss(self, path: str, action: str) -> int | None:
         try:

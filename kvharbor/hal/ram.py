@@ -10,7 +10,18 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator, Sequence
 
-from kvharbor.hal.base import Buffer, BufferTooSmall, Device, DeviceFull, Health, HealthState, Usage
+from kvharbor.hal.base import (
+    STREAM_SLICE_BYTES,
+    Buffer,
+    BufferTooSmall,
+    Device,
+    DeviceFull,
+    Health,
+    HealthState,
+    SliceConsumer,
+    Usage,
+    copy_streamed,
+)
 
 
 class RamDevice(Device):
@@ -52,6 +63,17 @@ class RamDevice(Device):
             raise BufferTooSmall(self.name, len(value), into.nbytes)
         into[: len(value)] = value
         return len(value)
+
+    def get_streamed(
+        self, key: bytes, into: memoryview, consume: SliceConsumer, slice_bytes: int = STREAM_SLICE_BYTES
+    ) -> int | None:
+        with self._lock:
+            value = self._values.get(key)
+        if value is None:
+            return None
+        if into.nbytes < len(value):
+            raise BufferTooSmall(self.name, len(value), into.nbytes)
+        return copy_streamed(memoryview(value), into, consume, slice_bytes)
 
     def size(self, key: bytes) -> int | None:
         value = self._values.get(key)

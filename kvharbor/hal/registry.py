@@ -47,7 +47,6 @@ def open_device(section: TierSection, max_value_bytes: int) -> Device:
     """Open the driver for ``section``; raises ValueError for an unknown type."""
     factory = _FACTORIES.get(section.type)
     if factory is None:
-        raise ValueError(
-            f"tier '{section.name}': unknown tier type {section.type!r}; known: {', '.join(device_types())}"
-        )
+        known = ", ".join(device_types())
+        raise ValueError(f"tier '{section.name}': unknown tier type {section.type!r}; known: {known}")
     return factory(section, max_value_bytes)

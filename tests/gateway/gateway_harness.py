@@ -38,6 +38,11 @@ def value_for(key: bytes, size: int) -> bytes:
     return random.Random(key).randbytes(size)
 
 
+def keys_of(n: int, tag: int = 0) -> list[bytes]:
+    """``n`` distinct keys, distinct from those of any other ``tag``."""
+    return [bytes([tag, i]) * 8 for i in range(n)]
+
+
 def new_key(rng: random.Random) -> bytes:
     return rng.randbytes(KEY_BYTES)
 

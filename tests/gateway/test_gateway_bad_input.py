@@ -137,7 +137,7 @@ def test_each_bad_message_gets_its_code_and_the_gateway_serves_on(gateway: Gatew
         }
         assert get_values(bystander, [KEY]) == [value_for(KEY, 5000)]
         # The bad peer's open put batch was freed when it was hung up on.
-        assert bystander.status()["shm"]["free_bytes"] == bystander.status()["shm"]["bytes"]
+        assert bystander.status()["shm"]["free_bytes"] == bystander.status()["shm"]["ring_bytes"]
 
 
 def test_truncated_frame_then_hang_up(gateway: GatewayProcess) -> None:

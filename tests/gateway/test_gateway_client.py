@@ -61,7 +61,7 @@ class ScriptedGateway:
         with conn:
             reader = FrameReader(conn, 1 << 20)
             header, _ = reader.message()
-            hello = p.HelloOk(p.PROTOCOL_VERSION, self.release, str(self.segment), 4096, os.getpid())
+            hello = p.HelloOk(p.PROTOCOL_VERSION, self.release, str(self.segment), 4096, 4096, os.getpid())
             send_message(conn, hello, header.request_id)
             with contextlib.suppress(OSError):  # The client hung up, as some scripts expect.
                 self.script(conn, reader, self.done)
@@ -147,7 +147,7 @@ def test_a_span_outside_the_segment_is_refused(scripted: Callable[..., ScriptedG
     gateway = scripted(wild)
     client = connect(gateway.section)
     try:
-        with pytest.raises(GatewayUnavailable, match="outside the 4096-byte segment"):
+        with pytest.raises(GatewayUnavailable, match="outside the 4096 bytes it must be in"):
             client.get(FINGERPRINT, [b"k" * 16])
     finally:
         client.close()

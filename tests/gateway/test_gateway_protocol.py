@@ -19,7 +19,7 @@ text = st.text(max_size=60)
 
 messages = st.one_of(
     st.builds(p.Hello, u32, text, u32, text),
-    st.builds(p.HelloOk, u32, text, text, u64, u32),
+    st.builds(p.HelloOk, u32, text, text, u64, u64, u32),
     st.builds(p.Error, st.sampled_from(ErrorCode), text),
     st.builds(p.Lookup, u32, key_lists),
     st.builds(p.LookupOk, u32),

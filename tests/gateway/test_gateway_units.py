@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvharbor.config import MIB
-from kvharbor.gateway.ring import Ring, round_up
 from kvharbor.gateway.shm import PAGE_BYTES, ShmTooSmall, plan_ring
+from kvharbor.hal.extents import Extents, round_up
 
 # -- ring ----------------------------------------------------------------------
 
@@ -20,7 +20,7 @@ from kvharbor.gateway.shm import PAGE_BYTES, ShmTooSmall, plan_ring
 @settings(max_examples=300)
 @given(st.lists(st.tuples(st.booleans(), st.integers(1, 40 * PAGE_BYTES)), max_size=120))
 def test_ring_extents_never_overlap_and_all_come_back(ops: list[tuple[bool, int]]) -> None:
-    ring = Ring(64 * PAGE_BYTES)
+    ring = Extents(64 * PAGE_BYTES)
     held: dict[int, int] = {}
     for allocate, size in ops:
         if allocate or not held:
@@ -44,12 +44,12 @@ def test_ring_extents_never_overlap_and_all_come_back(ops: list[tuple[bool, int]
 
 
 def test_ring_refuses_more_than_it_has_without_waiting() -> None:
-    ring = Ring(4 * PAGE_BYTES)
+    ring = Extents(4 * PAGE_BYTES)
     assert ring.allocate(5 * PAGE_BYTES, deadline=time.monotonic() + 3600) is None
 
 
 def test_ring_waiter_gets_room_when_it_is_freed() -> None:
-    ring = Ring(4 * PAGE_BYTES)
+    ring = Extents(4 * PAGE_BYTES)
     first = ring.allocate(4 * PAGE_BYTES)
     assert first == 0
     got: list[int | None] = []
@@ -61,13 +61,13 @@ def test_ring_waiter_gets_room_when_it_is_freed() -> None:
 
 
 def test_ring_deadline_passes_and_none_is_returned() -> None:
-    ring = Ring(PAGE_BYTES)
+    ring = Extents(PAGE_BYTES)
     assert ring.allocate(PAGE_BYTES) == 0
     assert ring.allocate(PAGE_BYTES, deadline=time.monotonic() + 0.01) is None
 
 
 def test_freeing_twice_is_caught() -> None:
-    ring = Ring(4 * PAGE_BYTES)
+    ring = Extents(4 * PAGE_BYTES)
     offset = ring.allocate(PAGE_BYTES)
     assert offset is not None
     ring.free(offset)

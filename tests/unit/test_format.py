@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 from collections.abc import Mapping
 
@@ -17,7 +18,10 @@ from kvharbor.cache.format import (
     CorruptObject,
     EncodedPart,
     Header,
+    PayloadChecksum,
+    ReadBack,
     ReadPart,
+    checksum,
     decode,
     encode,
     parse_header,
@@ -235,6 +239,30 @@ def test_an_unknown_codec_is_corrupt() -> None:
     damaged[6] = 9  # The codec byte; the header checksum then fails first.
     with pytest.raises(CorruptObject):
         decode(KEY, FINGERPRINT, reader({KEY: damaged}))
+
+
+# ---- a checksum computed while reading -------------------------------------
+
+
+@untimed
+@given(nbytes=st.integers(0, 5000), cuts=st.lists(st.integers(0, HEADER_BYTES + 5000), max_size=8))
+def test_the_payload_checksum_of_an_object_fed_in_any_slices_is_its_payloads(nbytes: int, cuts: list[int]) -> None:
+    (part,) = encode(KEY, FINGERPRINT, kv_like(nbytes))
+    whole = memoryview(bytearray(part.header) + part.payload)
+    streamed = PayloadChecksum()
+    bounds = sorted({0, whole.nbytes, *(c for c in cuts if c <= whole.nbytes)})
+    for start, end in itertools.pairwise(bounds):
+        streamed.update(whole[start:end])  # Cuts fall inside the header too.
+    assert streamed.intdigest() == checksum(part.payload) == parse_header(whole).payload_checksum
+
+
+def test_a_checksum_brought_by_the_reader_is_the_one_verified() -> None:
+    (part,) = encode(KEY, FINGERPRINT, kv_like(4096))
+    data = memoryview(bytearray(part.header) + part.payload)
+    right = checksum(part.payload)
+    assert decode(KEY, FINGERPRINT, lambda _key: ReadBack(data, right)) is not None
+    with pytest.raises(CorruptObject, match="payload checksum mismatch"):
+        decode(KEY, FINGERPRINT, lambda _key: ReadBack(data, right ^ 1))
 
 
 # ---- no copies --------------------------------------------------------------

@@ -5,6 +5,7 @@ A new driver (s3, nvme, sim) joins by adding one factory to `DRIVERS`.
 
 from __future__ import annotations
 
+import ctypes
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
@@ -15,9 +16,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvharbor.hal.base import BufferTooSmall, Device, HealthState
+from kvharbor.hal.base import STREAM_SLICE_BYTES, BufferTooSmall, Device, HealthState
 from kvharbor.hal.file import FileDevice
 from kvharbor.hal.ram import RamDevice
+from kvharbor.hal.shm_ram import SharedRamDevice
 
 MAX_VALUE_BYTES = 64 * 1024
 DeviceFactory = Callable[[Path], Device]
@@ -25,6 +27,8 @@ DeviceFactory = Callable[[Path], Device]
 DRIVERS: dict[str, DeviceFactory] = {
     "ram": lambda _: RamDevice("ram", 16 * MAX_VALUE_BYTES, MAX_VALUE_BYTES),
     "file": lambda root: FileDevice("local", str(root), MAX_VALUE_BYTES),
+    # The gateway's RAM tier: a region of shared memory (here a plain buffer) at an offset in its segment.
+    "shared_ram": lambda _: SharedRamDevice("ram", memoryview(bytearray(32 * MAX_VALUE_BYTES)), 8192, MAX_VALUE_BYTES),
 }
 
 
@@ -43,6 +47,35 @@ def read(device: Device, k: bytes) -> bytes | None:
     buffer = memoryview(bytearray(MAX_VALUE_BYTES))
     n = device.get(k, buffer)
     return None if n is None else bytes(buffer[:n])
+
+
+def address(view: memoryview) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+def read_streamed(device: Device, k: bytes, slice_bytes: int = STREAM_SLICE_BYTES) -> bytes | None:
+    """The value as `Device.get_streamed` hands it out, checking the slices on the way:
+    consecutive views of the caller's buffer, each at most ``slice_bytes`` long
+    and already holding its bytes when handed over."""
+    buffer = bytearray(MAX_VALUE_BYTES)
+    view = memoryview(buffer)
+    seen = bytearray()
+
+    base = address(view)
+
+    def consume(piece: memoryview) -> None:
+        assert piece.obj is buffer, "a slice is a view of the caller's buffer, not a copy"
+        assert 0 < piece.nbytes <= slice_bytes, piece.nbytes
+        assert address(piece) - base == len(seen), "slices are consecutive, in order"
+        seen.extend(piece)  # Its bytes now, not after the call returns.
+
+    n = device.get_streamed(k, view, consume, slice_bytes)
+    if n is None:
+        assert not seen, "no slice is handed out on a miss"
+        return None
+    assert len(seen) == n, (len(seen), n)
+    assert bytes(buffer[:n]) == bytes(seen)
+    return bytes(seen)
 
 
 def test_put_joins_parts_of_any_buffer_type(device: Device) -> None:
@@ -96,6 +129,24 @@ def test_peek_copies_a_prefix(device: Device) -> None:
     assert bytes(long[:10]) == b"0123456789"
 
 
+@pytest.mark.parametrize("nbytes", [0, 1, 999, 1000, 1001, 4000, 4321, MAX_VALUE_BYTES])
+def test_get_streamed_hands_out_the_value_in_consecutive_slices(device: Device, nbytes: int) -> None:
+    value = bytes(i * 7 % 251 for i in range(nbytes))
+    device.put(key(1), [value])
+    assert read_streamed(device, key(1), slice_bytes=1000) == value
+    assert read_streamed(device, key(1)) == value  # The default slice size.
+
+
+def test_get_streamed_misses_and_refuses_a_short_buffer_like_get(device: Device) -> None:
+    handed: list[memoryview] = []
+    assert device.get_streamed(key(9), memoryview(bytearray(16)), handed.append) is None
+    device.put(key(1), [b"x" * 100])
+    with pytest.raises(BufferTooSmall) as raised:
+        device.get_streamed(key(1), memoryview(bytearray(99)), handed.append)
+    assert raised.value.needed == 100
+    assert handed == []
+
+
 def test_exists_answers_in_order_with_duplicates(device: Device) -> None:
     device.put(key(1), [b"a"])
     device.put(key(3), [b"c"])
@@ -135,9 +186,15 @@ def test_usage_and_health_of_a_fresh_device(device: Device) -> None:
     assert device.health().state is HealthState.OK
 
 
-def test_concurrent_puts_of_one_key_never_mix(device: Device) -> None:
+def read_in_slices_of_1000(device: Device, k: bytes) -> bytes | None:
+    return read_streamed(device, k, slice_bytes=1000)
+
+
+@pytest.mark.parametrize("reader", [read, read_in_slices_of_1000])
+def test_concurrent_puts_of_one_key_never_mix(device: Device, reader: Callable[[Device, bytes], bytes | None]) -> None:
     # Each writer stores a value of one repeated byte; any reader must see one
-    # writer's whole value, never bytes of two.
+    # writer's whole value, never bytes of two (a streamed read, in many slices,
+    # included: it must read one version from its first slice to its last).
     writers, rounds, size = 4, 50, 8192
     errors: list[str] = []
     start = threading.Barrier(writers + 1)
@@ -153,7 +210,7 @@ def test_concurrent_puts_of_one_key_never_mix(device: Device) -> None:
         thread.start()
     start.wait()
     for _ in range(rounds):
-        value = read(device, key(1))
+        value = reader(device, key(1))
         if value is None or len(value) != size or len(set(value)) != 1:
             errors.append(f"read a mixed or partial value: {None if value is None else set(value)}")
     for thread in threads:
@@ -185,10 +242,11 @@ class DeviceMatchesADict(RuleBasedStateMachine):
         assert self.device.delete(k) is (self.model.pop(k, None) is not None)
 
     @precondition(lambda self: bool(self.model))
-    @rule(data=st.data())
-    def get(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), slice_bytes=st.integers(1, 400))
+    def get(self, data: st.DataObject, slice_bytes: int) -> None:
         k = data.draw(st.sampled_from(sorted(self.model)))
         assert read(self.device, k) == self.model[k]
+        assert read_streamed(self.device, k, slice_bytes) == self.model[k]
 
     @invariant()
     def agrees(self) -> None:

@@ -207,9 +207,15 @@ def test_short_writes_and_reads_are_completed(tmp_path: Path, monkeypatch: pytes
     head = bytearray(12)
     assert device.peek(KEY, memoryview(head)) == 12
     assert bytes(head) == bytes(range(12))
+    slices: list[bytes] = []
+    assert device.get_streamed(KEY, memoryview(bytearray(200)), lambda piece: slices.append(bytes(piece)), 64) == 123
+    assert b"".join(slices) == b"".join(value) and max(map(len, slices)) == 5
 
 
-def test_a_file_that_shrinks_while_read_is_corrupt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_file_that_shrinks_while_read_is_corrupt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, streamed: bool
+) -> None:
     device = open_device(tmp_path)
     device.put(KEY, [b"x" * 1000])
     path = tmp_path / "ab" / "cd" / KEY.hex()
@@ -220,8 +226,9 @@ def test_a_file_that_shrinks_while_read_is_corrupt(tmp_path: Path, monkeypatch: 
         return real_preadv(fd, buffers, offset)
 
     monkeypatch.setattr(os, "preadv", truncate_then_read)
+    into = memoryview(bytearray(1000))
     with pytest.raises(DeviceCorrupt, match="shrank from 1000 to 100 bytes"):
-        device.get(KEY, memoryview(bytearray(1000)))
+        device.get_streamed(KEY, into, lambda _: None, slice_bytes=64) if streamed else device.get(KEY, into)
 
 
 def test_a_truncated_object_decodes_as_corrupt(tmp_path: Path) -> None:
@@ -322,6 +329,30 @@ def test_fsync_flushes_the_file_and_its_directory(tmp_path: Path, monkeypatch: p
     assert synced == [False, True]  # The file, then the directory holding the rename.
     fast.put(KEY, [b"second"])
     assert synced == [False, True]
+
+
+def test_a_put_that_makes_fanout_directories_flushes_each_entry_it_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def record(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    root = tmp_path / "durable"
+    device = open_device(root)
+    monkeypatch.setattr(os, "fsync", record)
+    device.put(KEY, [b"first"])
+    # The file; the directory holding the rename; then the directories that
+    # gained a fan-out entry, deepest first. All before put returns.
+    temp, *directories = synced
+    assert temp.startswith(f"{root}/ab/cd/{KEY.hex()}.") and temp.endswith(tempfiles.TEMP_SUFFIX)
+    assert directories == [str(root / "ab" / "cd"), str(root / "ab"), str(root)]
+    synced.clear()
+    device.put(OTHER, [b"second"])  # ab/ exists: only ab/ce is new.
+    assert synced[1:] == [str(root / "ab" / "ce"), str(root / "ab")]
 
 
 def test_health_degrades_when_the_filesystem_is_nearly_full(tmp_path: Path) -> None:

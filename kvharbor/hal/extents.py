@@ -1,9 +1,10 @@
-"""Space in the shared-memory segment: page-aligned extents handed out per transfer.
+"""Page-aligned extents of a fixed region: the allocator behind shared memory.
 
-A transfer asks for room, the client (put) or the gateway (get) fills it, and
-the other side reads it in place; then the extent is freed. When the ring is
-full a request waits until its deadline and is then refused (backpressure): a
-put is then skipped and a get is a miss, never a stalled engine.
+The gateway's transfer ring lends extents per transfer (a client or the
+gateway fills one, the other side reads it in place, then it is freed); the
+shared RAM tier keeps each stored object in one. When the region is full a
+request may wait until its deadline and is then refused (backpressure): a put
+is then skipped and a get is a miss, never a stalled engine.
 
 The deadline is per request, not per extent: a batch of many values must not
 wait ``ring_wait_ms`` once for each, or a full ring would hold a request far
@@ -16,7 +17,8 @@ import bisect
 import threading
 import time
 
-from kvharbor.gateway.shm import PAGE_BYTES
+PAGE_BYTES = 4096
+"""Allocation granularity: page alignment keeps O_DIRECT, mprotect and CUDA host registration possible."""
 
 
 def round_up(nbytes: int) -> int:
@@ -24,7 +26,7 @@ def round_up(nbytes: int) -> int:
     return max(PAGE_BYTES, -(-nbytes // PAGE_BYTES) * PAGE_BYTES)
 
 
-class Ring:
+class Extents:
     """First-fit allocator over [0, size) with coalescing free extents.
 
     Free extents are kept sorted by start (``_starts``) with their lengths
