@@ -14,20 +14,25 @@ release, and a rank that silently switched gateways mid-flight could mix
 layouts. Restart the engine (and, in service mode, the gateway with it).
 A gateway that refuses one request (ring full, a value too large) only costs
 that request.
+
+The links of one process to one gateway (a vLLM worker's load and save
+links, and the scheduler's where it shares the process) share one
+`RankSwitch`: the first failure turns the cache off for all of them, and the
+line is said once per process, not once per link.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
+from typing import ClassVar
 
 from kvharbor.config import Config
 from kvharbor.gateway import embedded
-from kvharbor.gateway.client import GatewayClient, GatewayError, GatewayRefused
-from kvharbor.telemetry.log import OnceLog, get_logger
+from kvharbor.gateway.client import GatewayClient, GatewayError, GatewayRefused, GetBatch
+from kvharbor.telemetry.log import PREFIX, OnceLog, get_logger
 
 _log = get_logger("kvharbor.connector")
 
@@ -53,12 +58,47 @@ class LinkCounters:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+class RankSwitch:
+    """Whether the external cache is on, for every link of this process to one gateway."""
+
+    _by_socket: ClassVar[dict[str, RankSwitch]] = {}
+    _registry_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self) -> None:
+        self.reason = ""
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_gateway(cls, socket: str) -> RankSwitch:
+        """The process-wide switch of the gateway at ``socket``."""
+        with cls._registry_lock:
+            return cls._by_socket.setdefault(socket, cls())
+
+    @property
+    def is_off(self) -> bool:
+        return bool(self.reason)
+
+    def turn_off(self, reason: str) -> bool:
+        """Turn the cache off; True only for the call that did it."""
+        with self._lock:
+            if self.reason:
+                return False
+            self.reason = reason or "unknown failure"
+            return True
+
+
 class CacheLink:
-    def __init__(self, config: Config, client_name: str, connect: Connect = embedded.connect) -> None:
+    def __init__(
+        self,
+        config: Config,
+        client_name: str,
+        connect: Connect = embedded.connect,
+        switch: RankSwitch | None = None,
+    ) -> None:
         self.config = config
         self.client_name = client_name
         self.counters = LinkCounters()
-        self.off_reason = ""
+        self.switch = switch if switch is not None else RankSwitch.for_gateway(config.gateway.socket)
         self._connect = connect
         self._client: GatewayClient | None = None
         self._lock = threading.Lock()
@@ -66,7 +106,13 @@ class CacheLink:
 
     @property
     def is_off(self) -> bool:
-        return self.counters.off == 1
+        if self.switch.is_off and not self.counters.off:
+            self._drop_client()  # Another link of this rank found the gateway failed.
+        return self.switch.is_off
+
+    @property
+    def off_reason(self) -> str:
+        return self.switch.reason
 
     def start(self) -> bool:
         """Connect now (rather than on first use); True if the cache is on."""
@@ -114,6 +160,70 @@ class CacheLink:
                 self._failed(err)
         self.counters.loaded_chunks += len(batch.views)
         return len(batch.views)
+
+    def load_streamed(
+        self,
+        fingerprint: bytes,
+        keys: Sequence[bytes],
+        keys_per_get: int,
+        sink: Callable[[int, memoryview], None],
+        flush: Callable[[], Callable[[], None]],
+        proceed: Callable[[int], bool] | None = None,
+    ) -> int:
+        """`load` in requests of ``keys_per_get`` keys, for copies that finish later (DMA).
+
+        ``sink(i, value)`` starts copying value i; after each request's values,
+        ``flush()`` starts their copies and returns a ``wait`` that blocks until
+        they have read the shared memory. The gateway reads request n+1 while
+        request n's copies run; a request's room is given back only after its
+        wait. ``proceed(values_so_far)``, asked before each further request, may
+        stop early. Returns how many leading values were copied completely: a
+        request whose room could not be given back cleanly is not counted (the
+        gateway may have reused its memory under the copy).
+        """
+        assert keys_per_get > 0, keys_per_get
+        client = self._get_client()
+        if client is None or not keys:
+            return 0
+        held: tuple[GetBatch, Callable[[], None], int] | None = None
+        done = 0
+        try:
+            for start in range(0, len(keys), keys_per_get):
+                if start and proceed is not None and not proceed(start):
+                    break
+                part = keys[start : start + keys_per_get]
+                batch = client.get(fingerprint, part)
+                for j, view in enumerate(batch.views):
+                    sink(start + j, view)
+                    self.counters.loaded_bytes += view.nbytes
+                wait = flush()
+                if held is not None:
+                    held[1]()
+                    client.release(held[0])
+                    done = held[2]
+                held = (batch, wait, start + len(batch.views))
+                if len(batch.views) < len(part):
+                    break
+            if held is not None:
+                held[1]()
+                client.release(held[0])
+                done, held = held[2], None
+        except GatewayError as err:
+            if held is not None:
+                held[1]()  # Copies in flight finish before anything else touches that memory.
+                if isinstance(err, GatewayRefused):  # The connection still works.
+                    with contextlib.suppress(GatewayError):
+                        client.release(held[0])
+                        done = held[2]
+            self._failed(err)
+        self.counters.loaded_chunks += done
+        return done
+
+    def shared_memory(self) -> tuple[memoryview, int] | None:
+        """This link's mapping of the gateway's shared memory and how many of its first
+        bytes are writable (connecting if need be); None while the cache is off."""
+        client = self._get_client()
+        return None if client is None else (client.segment.view, client.hello.ring_bytes)
 
     def store(
         self,
@@ -176,16 +286,18 @@ class CacheLink:
         self._turn_off(err)
 
     def _turn_off(self, err: GatewayError) -> None:
-        with_client = self._client
-        self._client = None
+        if self.switch.turn_off(str(err)):
+            _log.error(
+                "%sexternal KV cache turned off on this rank: %s. The engine keeps serving without it; "
+                "restart the engine (and the gateway, in service mode) to turn it back on",
+                PREFIX,
+                err,
+            )
+        self._drop_client()
+
+    def _drop_client(self) -> None:
         self.counters.off = 1
-        self.off_reason = str(err)
-        self._once.say(
-            "off",
-            f"external KV cache turned off on this rank: {err}. The engine keeps serving without it; "
-            "restart the engine (and the gateway, in service mode) to turn it back on",
-            logging.ERROR,
-        )
+        with_client, self._client = self._client, None
         if with_client is not None:
             with contextlib.suppress(OSError):
                 with_client.close()

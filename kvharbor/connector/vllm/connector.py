@@ -25,15 +25,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from kvharbor.config import ConfigError
 from kvharbor.connector.link import CacheLink
+from kvharbor.connector.vllm.costs import load_planner
 from kvharbor.connector.vllm.layout import ConnectorRefusal, build_layout
 from kvharbor.connector.vllm.metadata import KVHarborMetadata
 from kvharbor.connector.vllm.scheduler import SchedulerSide
 from kvharbor.connector.vllm.settings import config_from_extra
-from kvharbor.connector.vllm.stats import KVHarborStats
+from kvharbor.connector.vllm.stats import KVHarborPromMetrics, KVHarborStats
 from kvharbor.connector.vllm.worker import WorkerSide
 from kvharbor.telemetry.log import attach_to_engine_log, get_logger
 
@@ -64,7 +65,8 @@ class KVHarborConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._insist_on_recompute(transfer)
             link = CacheLink(self.config, f"vllm-scheduler pid {os.getpid()}")
-            self._scheduler = SchedulerSide(self.layout, self.config, link)
+            self._scheduler = SchedulerSide(self.layout, self.config, link, load_planner(vllm_config, self.layout))
+            link.start()  # Connect now, as the workers do: not in the first request's path.
             _log.info(
                 "kvharbor: connector on (scheduler): chunk %d tokens = %d blocks, %d rank(s), namespace %s",
                 self.layout.chunk_size, self.layout.blocks_per_chunk, self.layout.ranks,
@@ -114,6 +116,11 @@ class KVHarborConnector(KVConnectorBase_V1):
     def take_events(self) -> Iterable[Any]:
         return ()
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        """The workers' stats of a step: what the load-or-recompute choice learns from."""
+        if self._scheduler is not None:
+            self._scheduler.observe(getattr(connector_output, "kv_connector_stats", None))
+
     # -- worker role -------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -129,11 +136,22 @@ class KVHarborConnector(KVConnectorBase_V1):
         assert isinstance(meta, KVHarborMetadata)
         self._worker.load(meta)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, KVHarborMetadata):
+            self._worker.begin_step(connector_metadata)
+
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads finish in `start_load_kv`, before the forward pass."""
+        """CPU: loads finish in `start_load_kv`. GPU: the engine's stream waits for this
+        layer's restores (they run on the connector's streams)."""
+        if self._worker is not None:
+            self._worker.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        """Saves copy every layer at once in `wait_for_save`."""
+        """CPU: saves copy every layer at once in `wait_for_save`. GPU: this layer's pages
+        of the step's saved chunks are gathered now, behind the forward pass."""
+        if self._worker is not None:
+            self._worker.save_layer(layer_name)
 
     def wait_for_save(self) -> None:
         assert self._worker is not None
@@ -147,14 +165,27 @@ class KVHarborConnector(KVConnectorBase_V1):
         return self._worker.take_load_errors() if self._worker is not None else set()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        if self._worker is None:
+        # Both roles report: workers their loads and saves, the scheduler its lookups
+        # and skipped requests; vLLM aggregates the two.
+        side = self._worker if self._worker is not None else self._scheduler
+        if side is None:
             return None
-        stats = KVHarborStats(data=self._worker.take_stats())
+        stats = KVHarborStats(data=side.take_stats())
         return None if stats.is_empty() else stats
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return KVHarborStats(data=dict(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return KVHarborPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

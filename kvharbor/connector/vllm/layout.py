@@ -145,6 +145,8 @@ def build_layout(vllm_config: Any, kv_cache_config: Any, config: Config) -> Vllm
         ("device", device),
         ("dtype", str(model.dtype)),
         ("kv_cache_layout", str(getattr(kv_cache_config, "kv_cache_layout", None))),
+        # A pipeline rank holds only its stage's layers: pp=2 rank 0 is not pp=1 rank 0.
+        ("pp_size", str(pp_size)),
         ("tokenizer", str(getattr(model, "tokenizer", ""))),
     )
     fingerprints = tuple(

@@ -27,6 +27,9 @@ class ChunkTransfer:
     keys: Sequence[Sequence[bytes]]
     block_ids: list[int]
     skip_blocks: int = 0
+    recompute_s: tuple[float, ...] = ()
+    """Loads: the scheduler's estimate of each chunk's recompute time (empty: unknown);
+    the worker stops a load whose rest would arrive slower than it recomputes."""
 
     def __post_init__(self) -> None:
         assert self.keys and all(len(k) == len(self.keys[0]) for k in self.keys), "one key list per rank"
@@ -41,3 +44,6 @@ class ChunkTransfer:
 class KVHarborMetadata(KVConnectorMetadata):
     loads: list[ChunkTransfer] = field(default_factory=list)
     saves: list[ChunkTransfer] = field(default_factory=list)
+    step_flops: float = 0.0
+    """Prefill FLOPs of this step when it loads nothing (0: not a prefill sample);
+    workers time the forward pass and report FLOPs per second back."""

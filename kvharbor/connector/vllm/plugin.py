@@ -11,7 +11,9 @@ always wins, and a log line says so.
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from kvharbor.connector.vllm.compat import SUPPORTED, version_supported, vllm_version
@@ -26,7 +28,7 @@ _once = OnceLog(_log)
 _MARK = "__kvharbor_wrapped__"
 
 
-def enabled(environ: os._Environ[str] | dict[str, str] | None = None) -> bool:
+def enabled(environ: Mapping[str, str] | None = None) -> bool:
     value = (environ if environ is not None else os.environ).get(ENV_ENABLE, "").strip().lower()
     return value not in ("", "0", "false", "no", "off")
 
@@ -39,6 +41,27 @@ def transfer_config() -> dict[str, Any]:
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
     }
+
+
+def choose_transfer_config(given: Any, environ: Mapping[str, str] | None = None) -> Any:
+    """The KV transfer config an engine runs with: ``given`` whenever the user gave
+    one (it always wins, and a line says so when KVHARBOR=1 asked for kvharbor),
+    else kvharbor's when ``KVHARBOR=1``, else None."""
+    if not enabled(environ):
+        return given
+    if given is None:
+        from vllm.config import KVTransferConfig
+
+        _once.say("on", "KVHARBOR=1: the kvharbor KV connector is on", level=logging.INFO)
+        return KVTransferConfig(**transfer_config())
+    name = getattr(given, "kv_connector", None) or (given.get("kv_connector") if isinstance(given, dict) else given)
+    if name != CONNECTOR_NAME:
+        _once.say(
+            "explicit",
+            f"KVHARBOR=1 but an explicit --kv-transfer-config ({name}) was given; it wins and "
+            "kvharbor stays off. Remove it, or configure KVHarborConnector in it",
+        )
+    return given
 
 
 def register() -> None:
@@ -59,19 +82,7 @@ def register() -> None:
         return
 
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if self.kv_transfer_config is None:
-            from vllm.config import KVTransferConfig
-
-            self.kv_transfer_config = KVTransferConfig(**transfer_config())
-            _once.say("on", "KVHARBOR=1: the kvharbor KV connector is on", level=20)
-        else:
-            given = getattr(self.kv_transfer_config, "kv_connector", self.kv_transfer_config)
-            if given != CONNECTOR_NAME:
-                _once.say(
-                    "explicit",
-                    f"KVHARBOR=1 but an explicit --kv-transfer-config ({given}) was given; it wins and "
-                    "kvharbor stays off. Remove it, or configure KVHarborConnector in it",
-                )
+        self.kv_transfer_config = choose_transfer_config(self.kv_transfer_config)
         return original(self, *args, **kwargs)
 
     setattr(create_engine_config, _MARK, True)

@@ -12,14 +12,16 @@ keys interleaved), and plans:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
+from kvharbor.cache.bandwidth import PREFILL_SAMPLE_FLOPS_MIN, LoadPlanner
 from kvharbor.cache.keys import ChunkKey
 from kvharbor.config import Config
 from kvharbor.connector.link import CacheLink
 from kvharbor.connector.vllm.layout import VllmLayout
 from kvharbor.connector.vllm.metadata import ChunkTransfer, KVHarborMetadata
+from kvharbor.connector.vllm.stats import empty
 from kvharbor.telemetry.log import OnceLog, get_logger
 
 _log = get_logger("kvharbor.connector.vllm")
@@ -33,27 +35,48 @@ class _Request:
     block_ids: list[int] = field(default_factory=list)
     saved_chunks: int = 0
     """Chunks already planned for saving (or known to be stored)."""
+    local_tokens: int = 0
+    """vLLM's own prefix-cache hit at the last admission question: a load starts there."""
     load: ChunkTransfer | None = None
 
 
 @dataclass(slots=True)
 class SchedulerCounters:
+    """Totals since start, each request counted once; `SchedulerSide.take_stats` reports deltas."""
+
+    lookups: int = 0
+    lookup_chunks: int = 0
+    """Full prompt chunks asked for."""
+    hit_chunks: int = 0
+    """Of those, the leading chunks the gateway holds."""
     unsalted_skipped: int = 0
     """Requests neither looked up nor stored because require_cache_salt is on and they had no salt."""
     bad_salt_skipped: int = 0
     short_prompts: int = 0
     """Prompts shorter than one chunk: nothing to look up."""
+    chose_recompute: int = 0
+    """Requests whose stored prefix was recomputed: loading it was predicted slower."""
+
+    def snapshot(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 class SchedulerSide:
-    def __init__(self, layout: VllmLayout, config: Config, link: CacheLink) -> None:
+    def __init__(self, layout: VllmLayout, config: Config, link: CacheLink, planner: LoadPlanner | None = None) -> None:
         self.layout = layout
         self.config = config
         self.link = link
+        self.planner = planner
+        """Load or recompute (`kvharbor.cache.bandwidth`); None: always load."""
+        self._workers_off = False
+        self._chose_recompute: set[str] = set()
         self.counters = SchedulerCounters()
         self._requests: dict[str, _Request] = {}
+        self._skipped: set[str] = set()
+        """Requests judged not cacheable (and counted) already: vLLM may ask again each step."""
         self._loads: list[ChunkTransfer] = []
         self._once = OnceLog(_log)
+        self._reported = self.counters.snapshot()
 
     # -- admission ---------------------------------------------------------------
 
@@ -65,10 +88,18 @@ class SchedulerSide:
         ranks = self.layout.ranks
         interleaved = [state.keys[r][i] for i in range(len(state.keys[0])) for r in range(ranks)]
         hit_chunks = self.link.lookup(interleaved, self.layout.chunk_size // ranks or 1) // ranks
+        self.counters.lookups += 1
+        self.counters.lookup_chunks += len(state.keys[0])
+        self.counters.hit_chunks += hit_chunks
         state.saved_chunks = max(state.saved_chunks, hit_chunks)  # Stored already: never re-save.
+        # vLLM sets request.num_computed_tokens only after `update_state_after_alloc`,
+        # so remember where the local hit ends for the load plan made there.
+        state.local_tokens = num_computed_tokens
         block = self.layout.block_size
         end = min(hit_chunks * self.layout.chunk_size, ((request.num_tokens - 1) // block) * block)
         assert end <= self.layout.max_hit_tokens(request.num_tokens)
+        if end > num_computed_tokens and not self._worth_loading(request.request_id, num_computed_tokens, end):
+            return 0, False
         return max(0, end - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -78,15 +109,21 @@ class SchedulerSide:
         block = self.layout.block_size
         per_chunk = self.layout.blocks_per_chunk
         block_ids = list(blocks.get_block_ids()[0])
-        start_block = request.num_computed_tokens // block
-        end_block = (request.num_computed_tokens + num_external_tokens) // block
-        assert (request.num_computed_tokens + num_external_tokens) % block == 0
+        start_block = state.local_tokens // block
+        end_block = (state.local_tokens + num_external_tokens) // block
+        assert state.local_tokens % block == 0 and num_external_tokens % block == 0, (
+            state.local_tokens, num_external_tokens)  # fmt: skip
         first_chunk, last_chunk = start_block // per_chunk, -(-end_block // per_chunk)
         load = ChunkTransfer(
             request_id=request.request_id,
             keys=[keys[first_chunk:last_chunk] for keys in state.keys],
             block_ids=block_ids[start_block:end_block],
             skip_blocks=start_block - first_chunk * per_chunk,
+            recompute_s=(
+                self.planner.chunk_recompute_s(state.local_tokens, state.local_tokens + num_external_tokens)
+                if self.planner is not None
+                else ()
+            ),
         )
         state.load = load
         self._loads.append(load)
@@ -114,39 +151,107 @@ class SchedulerSide:
             elif new_blocks:
                 state.block_ids.extend(new_blocks[0])
             self._plan_save(meta, req_id, state, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+        if not meta.loads:
+            meta.step_flops = self._prefill_flops(scheduler_output)
         return meta
+
+    def observe(self, stats: Any) -> None:
+        """A step's stats from the workers (`update_connector_output`): learn the load
+        bandwidth and the prefill rate, and whether some worker turned the cache off."""
+        data = getattr(stats, "data", None)
+        if not data:
+            return
+        if data.get("cache_off") and not self._workers_off:
+            self._workers_off = True
+            self._once.say("workers-off", "the external KV cache is off on a worker: no more restores are planned")
+        if self.planner is not None:
+            self.planner.observe_load(data.get("loaded_bytes", 0), data.get("load_s", 0))
+            self.planner.observe_prefill(data.get("prefill_flops", 0), data.get("prefill_s", 0))
 
     def request_finished(self, request: Any) -> tuple[bool, None]:
         """Saves copy their blocks within the step, so blocks are never held back."""
         self._requests.pop(request.request_id, None)
+        self._skipped.discard(request.request_id)
+        self._chose_recompute.discard(request.request_id)
         return False, None
 
+    def take_stats(self) -> dict[str, float]:
+        """What changed since the last call, in `stats` form; the cache state as it is now."""
+        now = self.counters.snapshot()
+        stats = empty()
+        for name, value in now.items():
+            stats[name] = value - self._reported[name]
+        self._reported = now
+        stats["cache_off"] = int(self.link.is_off)
+        return stats
+
     # -- internals ---------------------------------------------------------------
+
+    def _worth_loading(self, req_id: str, start: int, end: int) -> bool:
+        """Load tokens ``start .. end`` rather than recompute them? (No side effects
+        beyond counting a request once: vLLM may ask again.)"""
+        if self._workers_off:
+            return False
+        planner = self.planner
+        if planner is None:
+            return True
+        size = self.layout.chunk_size
+        decision = planner.choose(start, end, -(-end // size) - start // size)
+        if decision.load:
+            return True
+        if req_id not in self._chose_recompute:
+            self._chose_recompute.add(req_id)
+            self.counters.chose_recompute += 1
+            planner.chose_recompute += 1
+            _log.debug("kvharbor: request %s: %s", req_id, decision.reason)
+            self._once.say(
+                "recompute",
+                f"a stored prefix of {end - start} tokens is recomputed, not restored ({decision.reason}; "
+                "measured rates); said once, counted in chose_recompute",
+                20,
+            )
+        return False
+
+    def _prefill_flops(self, scheduler_output: Any) -> float:
+        """Prefill FLOPs of a step (prompt chunks only; decode tokens cost little and
+        mostly memory time); 0 when too light to time."""
+        if self.planner is None:
+            return 0.0
+        cost = self.planner.cost
+        scheduled = scheduler_output.num_scheduled_tokens
+        spans = [(new.num_computed_tokens, scheduled.get(new.req_id, 0)) for new in scheduler_output.scheduled_new_reqs]
+        cached = scheduler_output.scheduled_cached_reqs
+        spans += [(cached.num_computed_tokens[i], scheduled.get(r, 0)) for i, r in enumerate(cached.req_ids)]
+        flops = sum(cost.flops(done, done + n) for done, n in spans if n > 1)
+        return flops if flops >= PREFILL_SAMPLE_FLOPS_MIN else 0.0
 
     def _request(self, request: Any) -> _Request | None:
         """The request's state, computing its keys once; None when it is not cached."""
         state = self._requests.get(request.request_id)
-        if state is not None:
+        if state is not None or request.request_id in self._skipped:
             return state
         salt = getattr(request, "cache_salt", None)
+        prompt = request.prompt_token_ids
         if salt is not None and not isinstance(salt, str):
             self.counters.bad_salt_skipped += 1
             self._once.say("bad-salt", f"cache_salt must be a string, got {type(salt).__name__}; request not cached")
-            return None
-        if salt is None and self.config.engine.require_cache_salt:
+        elif salt is None and self.config.engine.require_cache_salt:
             self.counters.unsalted_skipped += 1
             self._once.say(
                 "unsalted",
                 "engine.require_cache_salt is on: requests without a cache_salt are neither looked up nor stored",
             )
-            return None
-        prompt = request.prompt_token_ids
-        if prompt is None:
-            return None  # Prompt embeddings: no token ids to key.
+        elif prompt is not None:
+            return self._new_request(request.request_id, prompt, salt)
+        # Not cacheable (a bad or missing salt, or prompt embeddings without token ids).
+        self._skipped.add(request.request_id)
+        return None
+
+    def _new_request(self, request_id: str, prompt: Any, salt: str | None) -> _Request:
         if len(prompt) < self.layout.chunk_size:
             self.counters.short_prompts += 1
         state = _Request(keys=self.layout.keys(prompt, salt), prompt_tokens=len(prompt))
-        self._requests[request.request_id] = state
+        self._requests[request_id] = state
         return state
 
     def _plan_save(self, meta: KVHarborMetadata, req_id: str, state: _Request, computed_after: int) -> None:

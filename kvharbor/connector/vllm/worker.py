@@ -25,6 +25,7 @@ import torch
 
 from kvharbor.config import Config
 from kvharbor.connector.link import CacheLink
+from kvharbor.connector.vllm.gpu import GpuPages, GpuWorkerPath, StepTimer
 from kvharbor.connector.vllm.layout import VllmLayout
 from kvharbor.connector.vllm.metadata import ChunkTransfer, KVHarborMetadata
 from kvharbor.connector.vllm.pages import PageCopier
@@ -42,6 +43,10 @@ class _SaveJob:
     items: list[tuple[bytes, int]]
     fill: Callable[[int, memoryview], None]
     filled: threading.Event
+    settle: Callable[[], None] | None = None
+    """GPU: make the staged device-to-host copies and wait for them, before the commit."""
+    done: Callable[[], None] | None = None
+    """GPU: give the device staging back, whatever became of the store."""
 
 
 class WorkerSide:
@@ -55,6 +60,9 @@ class WorkerSide:
         self._load_link = load_link
         self._save_link = save_link
         self._copier: PageCopier | None = None
+        self._gpu: GpuWorkerPath | None = None
+        """The GPU data path (`gpu`), when the KV cache is on a CUDA device."""
+        self._timer: StepTimer | None = None
         self._load_errors: set[int] = set()
         self._stats = empty()
         self._stats_lock = threading.Lock()
@@ -63,7 +71,12 @@ class WorkerSide:
         self._saver.start()
 
     def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
-        self._copier = PageCopier(list(kv_caches.values()), num_blocks)
+        tensors = list(kv_caches.values())
+        self._timer = StepTimer(tensors[0].device)
+        if tensors[0].is_cuda:
+            self._register_gpu(kv_caches, num_blocks)
+            return
+        self._copier = PageCopier(tensors, num_blocks)
         copier = self._copier
         chunk_mib = copier.chunk_bytes(self.layout.blocks_per_chunk) / 2**20
         _log.info(
@@ -75,18 +88,55 @@ class WorkerSide:
         self._load_link.start()
         self._save_link.start()
 
+    def _register_gpu(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
+        pages = GpuPages(list(kv_caches.values()), num_blocks, self.layout.blocks_per_chunk)
+        _log.info(
+            "kvharbor: %d GPU cache tensors registered (rank %d, page %d B, %.2f MiB per %d-token chunk; layout %s)",
+            len(kv_caches), self.rank, pages.page_bytes, pages.chunk_bytes / 2**20, self.layout.chunk_size,
+            self.layout.fingerprints[self.rank].short(),
+        )  # fmt: skip
+        self._gpu = GpuWorkerPath(
+            pages, list(kv_caches), self._load_link, self._save_link, self.rank, self.fingerprint, self._count
+        )
+        if self._load_link.start() and self._save_link.start():
+            self._gpu.pin()
+
+    # -- steps (GPU and timing) --------------------------------------------------------
+
+    def begin_step(self, meta: KVHarborMetadata) -> None:
+        """The step's metadata is bound; its forward pass follows."""
+        if self._gpu is not None:
+            self._gpu.begin_step(meta)
+        if self._timer is not None:
+            if meta.step_flops > 0 and not meta.loads:
+                self._timer.begin()
+            else:
+                self._timer.cancel()
+
+    def wait_layer(self, layer_name: str) -> None:
+        if self._gpu is not None:
+            self._gpu.wait_layer(layer_name)
+
+    def save_layer(self, layer_name: str) -> None:
+        if self._gpu is not None:
+            self._gpu.save_layer(layer_name)
+
     # -- loads -------------------------------------------------------------------
 
     def load(self, meta: KVHarborMetadata) -> None:
         copier = self._copier
-        if copier is None or not meta.loads:
+        if (copier is None and self._gpu is None) or not meta.loads:
             return
         started = time.perf_counter()
         for transfer in meta.loads:
-            loaded_blocks = self._load_one(copier, transfer)
+            if self._gpu is not None:
+                loaded_blocks = self._gpu.load(transfer)
+            else:
+                assert copier is not None
+                loaded_blocks = self._load_one(copier, transfer)
             self._load_errors.update(transfer.block_ids[loaded_blocks:])
             self._count(load_errors=len(transfer.block_ids) - loaded_blocks)
-        self._count(loads=1, load_s=time.perf_counter() - started, cache_off=self._load_link.counters.off)
+        self._count(loads=1, load_s=time.perf_counter() - started, cache_off=int(self._load_link.is_off))
 
     def _load_one(self, copier: PageCopier, transfer: ChunkTransfer) -> int:
         """Load as many leading blocks of ``transfer`` as the cache holds; returns that count."""
@@ -116,6 +166,14 @@ class WorkerSide:
 
     def save(self, meta: KVHarborMetadata) -> None:
         """Copy this step's completed chunks into shared memory; the commit runs behind."""
+        if self._timer is not None:
+            if self._gpu is not None and self._gpu.stalled:
+                self._timer.cancel()  # The forward waited for save staging: not a prefill sample.
+            else:
+                self._timer.end(meta.step_flops)
+        if self._gpu is not None:
+            self._save_gpu(self._gpu, meta)
+            return
         copier = self._copier
         if copier is None or not meta.saves or self._save_link.is_off:
             return
@@ -137,19 +195,43 @@ class WorkerSide:
         # The pages must be copied before the step ends; the storage write need not.
         job.filled.wait(self.config.gateway.request_timeout_ms / 1000 * 2)
 
+    def _save_gpu(self, gpu: GpuWorkerPath, meta: KVHarborMetadata) -> None:
+        """The step's gathers are queued on the GPU; the saver thread copies them out
+        and commits, behind the engine (the staging is the job's own)."""
+        parts = gpu.end_step(meta)
+        if parts is None:
+            return
+        size = gpu.pages.chunk_bytes
+        job = _SaveJob([(k, size) for k in parts.keys], parts.fill, threading.Event(), parts.settle, parts.done)
+        try:
+            self._saves.put_nowait(job)
+        except queue.Full:
+            parts.done()
+            _log.warning("kvharbor: %d saves waiting for storage; this step's %d chunks are not saved",
+                         SAVE_QUEUE_MAX, len(parts.keys))  # fmt: skip
+
     def _save_loop(self) -> None:
         while (job := self._saves.get()) is not None:
             started = time.perf_counter()
+            settle = job.settle
+
+            def filled(job: _SaveJob = job, settle: Callable[[], None] | None = settle) -> None:
+                if settle is not None:
+                    settle()
+                job.filled.set()
+
             try:
-                stored = self._save_link.store(self.fingerprint, job.items, job.fill, on_filled=job.filled.set)
+                stored = self._save_link.store(self.fingerprint, job.items, job.fill, on_filled=filled)
             finally:
                 job.filled.set()
+                if job.done is not None:
+                    job.done()
             self._count(
                 saves=1,
                 save_s=time.perf_counter() - started,
                 stored_chunks=stored,
                 stored_bytes=stored * job.items[0][1],
-                cache_off=self._save_link.counters.off,
+                cache_off=int(self._save_link.is_off),
             )
 
     # -- stats and shutdown ----------------------------------------------------------
@@ -157,11 +239,18 @@ class WorkerSide:
     def take_stats(self) -> dict[str, float]:
         with self._stats_lock:
             stats, self._stats = self._stats, empty()
+        if self._timer is not None:
+            stats["prefill_flops"], stats["prefill_s"] = self._timer.take()
+        # Every step once off, not only in a step that moved data: once the cache is
+        # off nothing moves, and the state must still reach the metrics.
+        stats["cache_off"] = max(stats["cache_off"], int(self._load_link.is_off))
         return stats
 
     def close(self) -> None:
         self._saves.put(None)
         self._saver.join(timeout=self.config.gateway.request_timeout_ms / 1000 * 2)
+        if self._gpu is not None:
+            self._gpu.close()  # Unpin before the links unmap their shared memory.
         self._load_link.close()
         self._save_link.close()
 
@@ -171,7 +260,7 @@ class WorkerSide:
                 if name == "cache_off":
                     self._stats[name] = max(self._stats[name], delta)
                 else:
-                    self._stats[name] += delta
+                    self._stats[name] = self._stats.get(name, 0) + delta
 
 
 def _blocks_before(chunk: int, per_chunk: int, skip_blocks: int) -> int:

@@ -1,0 +1,213 @@
+"""Load or recompute: is restoring a stored prefix faster than computing it again?
+
+A stored prefix is worth loading only while
+
+    load time = fixed latency + bytes / measured load bandwidth
+
+is below
+
+    recompute time = prefill FLOPs of those tokens / measured FLOP rate.
+
+Both rates are learned at run time from what the engine actually did, so a
+slow tier (a throttled disk, a remote bucket) can never make the time to first
+token worse once it has been seen, and a fast one is always used:
+
+- **load bandwidth**: bytes restored over the seconds the restore held the
+  engine (workers time their loads; vLLM hands their stats to the scheduler),
+  an exponentially weighted average in which big loads weigh more than small
+  ones (a small load is mostly latency);
+- **prefill rate**: FLOPs over seconds of the engine's own forward passes in
+  steps that loaded nothing, with the FLOPs of a step counted by
+  `PrefillCost`. FLOPs and not tokens: attention makes a token at position
+  130,000 cost far more than one at position 1,000 (the Llama-3.1-8B shape
+  runs 32,768 tokens at ~27k tokens/s but 130,000 at ~12.6k), while the
+  FLOP rate of one engine stays nearly constant (6.6e14 vs 6.3e14 FLOP/s there).
+
+Until a rate has been measured the answer is "load" (nothing says otherwise),
+and the worker stops a load part-way when the bandwidth it sees says the rest
+would be slower than recomputing it (`keep_loading`). No engine imports here:
+the connector feeds the numbers in.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass
+
+LOAD_LATENCY_S = 0.002
+"""Fixed cost of a restore (gateway round trips, first copy) added to bytes / bandwidth."""
+LOAD_SAMPLE_BYTES_MIN = 8 << 20
+"""Restores smaller than this are mostly latency: they do not update the bandwidth."""
+PREFILL_SAMPLE_FLOPS_MIN = 1e12
+"""Steps lighter than this (decode steps) are mostly fixed overhead: not a prefill sample."""
+HALF_LIFE_SAMPLES = 8.0
+"""A sample's weight halves after this many newer samples (of equal size)."""
+SWITCH_MARGIN = 1.0
+"""Recompute only when loading is predicted slower than this factor times recomputing."""
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillCost:
+    """Forward FLOPs of prefilling tokens of one sequence, from the model's shape.
+
+    ``linear``: FLOPs per token of the weight matmuls (2 x weights touched per
+    token); ``attention``: FLOPs per (query token, earlier position) pair
+    (QK^T and PV: 4 x layers x query heads x head size).
+    """
+
+    linear: float
+    attention: float
+
+    def flops(self, start: int, end: int) -> float:
+        """FLOPs to compute positions ``start .. end`` with ``0 .. start`` in cache."""
+        n = max(0, end - start)
+        # Token i attends to i + 1 positions: sum over i in [start, end) = n * (start + end + 1) / 2.
+        return self.linear * n + self.attention * n * (start + end + 1) / 2
+
+    @classmethod
+    def transformer(
+        cls,
+        hidden: int,
+        layers: int,
+        heads: int,
+        kv_heads: int,
+        head_size: int,
+        intermediate: int,
+        gated_mlp: bool = True,
+    ) -> PrefillCost:
+        """A decoder-only transformer (Llama-style: gated MLP, grouped KV heads)."""
+        q_out = heads * head_size
+        per_layer = hidden * q_out + 2 * hidden * kv_heads * head_size + q_out * hidden
+        per_layer += (3 if gated_mlp else 2) * hidden * intermediate
+        return cls(linear=2.0 * layers * per_layer, attention=4.0 * layers * q_out)
+
+
+class RateEstimate:
+    """An exponentially weighted rate: sum(w * amount) / sum(w * seconds).
+
+    Weighting amounts and seconds (rather than averaging rates) lets a big
+    sample count for more than a small one. Thread-safe.
+    """
+
+    def __init__(self, half_life_samples: float = HALF_LIFE_SAMPLES, prior: float | None = None) -> None:
+        assert half_life_samples > 0
+        self._keep = 0.5 ** (1.0 / half_life_samples)
+        self._amount = 0.0
+        self._seconds = 0.0
+        self.samples = 0
+        self._prior = prior
+        self._lock = threading.Lock()
+
+    def add(self, amount: float, seconds: float) -> None:
+        if amount <= 0 or seconds <= 0:
+            return
+        with self._lock:
+            self._amount = self._amount * self._keep + amount
+            self._seconds = self._seconds * self._keep + seconds
+            self.samples += 1
+
+    @property
+    def rate(self) -> float | None:
+        """Amount per second; the prior (or None) until a sample came."""
+        with self._lock:
+            if self._seconds <= 0:
+                return self._prior
+            return self._amount / self._seconds
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    load: bool
+    load_s: float | None
+    recompute_s: float | None
+
+    @property
+    def reason(self) -> str:
+        if self.load_s is None or self.recompute_s is None:
+            return "no measured rate yet: load"
+        verb = "load" if self.load else "recompute"
+        return f"{verb}: load {self.load_s * 1000:.0f} ms vs recompute {self.recompute_s * 1000:.0f} ms"
+
+
+def choose(load_s: float | None, recompute_s: float | None, margin: float | None = None) -> Decision:
+    """Load unless both times are known and loading is the slower by ``margin``
+    (default `SWITCH_MARGIN`)."""
+    margin = SWITCH_MARGIN if margin is None else margin
+    load = load_s is None or recompute_s is None or load_s <= margin * recompute_s
+    return Decision(load, load_s, recompute_s)
+
+
+def keep_loading(elapsed_s: float, bytes_done: int, bytes_left: int, recompute_left_s: float | None) -> bool:
+    """Mid-load: is fetching the rest at the bandwidth seen so far still faster than
+    recomputing the rest? True while nothing says otherwise."""
+    if recompute_left_s is None or bytes_left <= 0 or bytes_done <= 0 or elapsed_s <= 0:
+        return True
+    return bytes_left * elapsed_s / bytes_done <= SWITCH_MARGIN * recompute_left_s
+
+
+class LoadPlanner:
+    """The scheduler's view: the rates it has learned, and the choice per request."""
+
+    def __init__(
+        self,
+        cost: PrefillCost,
+        chunk_bytes: int,
+        chunk_tokens: int,
+        load_prior_bytes_per_s: float | None = None,
+        prefill_prior_flops_per_s: float | None = None,
+    ) -> None:
+        assert chunk_bytes > 0 and chunk_tokens > 0
+        self.cost = cost
+        self.chunk_bytes = chunk_bytes
+        """Bytes one rank restores per chunk (ranks load in parallel)."""
+        self.chunk_tokens = chunk_tokens
+        self.load_rate = RateEstimate(prior=load_prior_bytes_per_s)
+        self.prefill_rate = RateEstimate(prior=prefill_prior_flops_per_s)
+        self.chose_recompute = 0
+        self.chose_load = 0
+
+    # -- learning ------------------------------------------------------------
+
+    def observe_load(self, nbytes: float, seconds: float) -> None:
+        if nbytes >= LOAD_SAMPLE_BYTES_MIN:
+            self.load_rate.add(nbytes, seconds)
+
+    def observe_prefill(self, flops: float, seconds: float) -> None:
+        if flops >= PREFILL_SAMPLE_FLOPS_MIN:
+            self.prefill_rate.add(flops, seconds)
+
+    # -- predicting ----------------------------------------------------------
+
+    def load_s(self, nbytes: int) -> float | None:
+        rate = self.load_rate.rate
+        return None if not rate else LOAD_LATENCY_S + nbytes / rate
+
+    def recompute_s(self, start: int, end: int) -> float | None:
+        rate = self.prefill_rate.rate
+        return None if not rate else self.cost.flops(start, end) / rate
+
+    def chunk_recompute_s(self, start: int, end: int) -> tuple[float, ...]:
+        """Per chunk of ``start .. end`` (chunk-aligned except at the ends), its recompute
+        time; empty while the prefill rate is unknown."""
+        rate = self.prefill_rate.rate
+        if not rate or end <= start:
+            return ()
+        size = self.chunk_tokens
+        bounds = [start, *range((start // size + 1) * size, end, size), end]
+        return tuple(self.cost.flops(a, b) / rate for a, b in itertools.pairwise(bounds))
+
+    def choose(self, start: int, end: int, chunks: int) -> Decision:
+        """Load tokens ``start .. end`` (``chunks`` stored chunks, whole) or recompute them?"""
+        decision = choose(self.load_s(chunks * self.chunk_bytes), self.recompute_s(start, end))
+        return decision
+
+    def snapshot(self) -> dict[str, float]:
+        return {
+            "load_bytes_per_s": self.load_rate.rate or 0.0,
+            "load_samples": self.load_rate.samples,
+            "prefill_flops_per_s": self.prefill_rate.rate or 0.0,
+            "prefill_samples": self.prefill_rate.samples,
+            "chose_load": self.chose_load,
+            "chose_recompute": self.chose_recompute,
+        }
