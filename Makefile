@@ -22,3 +22,4 @@ bench: setup
 	.venv/bin/python bench/store.py
 	.venv/bin/python bench/manifest.py
 	.venv/bin/python bench/ipc.py
+	.venv/bin/python bench/e2e.py

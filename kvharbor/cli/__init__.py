@@ -41,7 +41,7 @@ from kvharbor.config import Config, load_config
 Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 """What ``add_parser`` of a command module receives."""
 
-COMMAND_MODULES: tuple[str, ...] = ("kvharbor.cli.keys", "kvharbor.cli.gateway")
+COMMAND_MODULES: tuple[str, ...] = ("kvharbor.cli.keys", "kvharbor.cli.gateway", "kvharbor.cli.demo")
 """Modules that each register one command group through ``add_parser(subparsers)``."""
 
 PROG = "kvharbor"

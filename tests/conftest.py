@@ -1,0 +1,15 @@
+"""Fixtures shared by the unit and end-to-end tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvharbor.demo.model import build_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random-weight Llama (4 layers, 2 KV heads, head_dim 64), built once per session."""
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")

@@ -1,0 +1,143 @@
+"""One offline vLLM engine, driven by a JSON spec, reporting what happened as JSON lines.
+
+    python tests/e2e/driver.py SPEC.json
+
+The end-to-end tests run it as a fresh process per "engine start", with the
+environment (``KVHARBOR=1``, ``KVHARBOR_CONFIG``, ...) deciding whether and how
+kvharbor is on. Spec keys:
+
+- ``model``: the model directory; ``llm``: extra ``LLM(...)`` keyword arguments.
+- ``rounds``: a list of rounds, each a list of requests
+  ``{"tokens": [...], "salt": str|null, "max_tokens": int}``; a round is one
+  ``LLM.generate`` call. Prints one ``E2E {"request": ...}`` line per request
+  and one ``E2E {"round": ...}`` line per round with the change of vLLM's
+  external prefix-cache counters over that round.
+- ``stream``: optional ``{"requests": [...], "gateway_pid": int, "kill_after_steps": int}``:
+  all requests are added at once and the engine is stepped by hand; after
+  that many steps the gateway is sent SIGKILL (and its death awaited) while
+  requests are still unfinished. One ``E2E {"request": ...}`` line per request.
+- ``release``: optional; the gateway client announces this release in its
+  HELLO instead of kvharbor's own (a gateway of another release, seen from here).
+
+Last line: ``E2E {"metrics": {...}}``, the ``vllm:kvharbor_*`` and
+``vllm:external_prefix_cache_*`` values.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import select
+import signal
+import sys
+from typing import Any
+
+
+def emit(record: dict[str, Any]) -> None:
+    print("E2E " + json.dumps(record), flush=True)
+
+
+def metrics(llm: Any) -> dict[str, float]:
+    wanted = ("vllm:kvharbor_", "vllm:external_prefix_cache_")
+    return {m.name: float(m.value) for m in llm.get_metrics() if m.name.startswith(wanted) and hasattr(m, "value")}
+
+
+def prompt_of(request: dict[str, Any]) -> dict[str, Any]:
+    prompt: dict[str, Any] = {"prompt_token_ids": request["tokens"]}
+    if request.get("salt") is not None:
+        prompt["cache_salt"] = request["salt"]
+    return prompt
+
+
+def report(tag: str, output: Any) -> None:
+    emit(
+        {
+            "request": tag,
+            "cached": output.num_cached_tokens,
+            "tokens": list(output.outputs[0].token_ids),
+            "finished": bool(output.finished),
+        }
+    )
+
+
+def run_rounds(llm: Any, rounds: list[list[dict[str, Any]]]) -> None:
+    from vllm import SamplingParams
+
+    for number, requests in enumerate(rounds):
+        before = metrics(llm)
+        params = [SamplingParams(max_tokens=r.get("max_tokens", 8), temperature=0.0) for r in requests]
+        outputs = llm.generate([prompt_of(r) for r in requests], params, use_tqdm=False)
+        for index, output in enumerate(outputs):
+            report(f"{number}.{index}", output)
+        after = metrics(llm)
+        emit(
+            {
+                "round": number,
+                "external_hits": after.get("vllm:external_prefix_cache_hits", 0)
+                - before.get("vllm:external_prefix_cache_hits", 0),
+                "external_queries": after.get("vllm:external_prefix_cache_queries", 0)
+                - before.get("vllm:external_prefix_cache_queries", 0),
+            }
+        )
+
+
+def wait_dead(pid: int) -> None:
+    """Block until ``pid`` (not our child) has exited: a pidfd becomes readable then."""
+    fd = os.pidfd_open(pid)
+    try:
+        ready, _, _ = select.select([fd], [], [], 30)
+        assert ready, f"pid {pid} survived SIGKILL for 30 s"
+    finally:
+        os.close(fd)
+
+
+def run_stream(llm: Any, stream: dict[str, Any]) -> None:
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    for index, request in enumerate(stream["requests"]):
+        params = SamplingParams(max_tokens=request.get("max_tokens", 8), temperature=0.0)
+        engine.add_request(f"s{index}", prompt_of(request), params)
+    steps = 0
+    killed = False
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                report(output.request_id, output)
+        steps += 1
+        if steps == stream["kill_after_steps"] and not killed:
+            unfinished = engine.get_num_unfinished_requests()
+            os.kill(stream["gateway_pid"], signal.SIGKILL)
+            wait_dead(stream["gateway_pid"])
+            killed = True
+            emit({"killed_gateway_after_steps": steps, "unfinished_at_kill": unfinished})
+    emit({"steps": steps, "killed": killed})
+
+
+def announce_release(release: str) -> None:
+    from kvharbor.gateway.client import GatewayClient
+
+    connect = GatewayClient.connect.__func__  # type: ignore[attr-defined]
+    GatewayClient.connect = classmethod(functools.partial(connect, release=release))  # type: ignore[method-assign]
+
+
+def main() -> int:
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
+    if spec.get("release"):
+        announce_release(spec["release"])
+    from vllm import LLM
+
+    options = {"enforce_eager": True, "dtype": "float32", "max_model_len": 4096, "disable_log_stats": False}
+    options.update(spec.get("llm", {}))
+    llm = LLM(model=spec["model"], **options)
+    run_rounds(llm, spec.get("rounds", []))
+    if spec.get("stream"):
+        run_stream(llm, spec["stream"])
+    emit({"metrics": metrics(llm)})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

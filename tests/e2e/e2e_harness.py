@@ -1,0 +1,194 @@
+"""Real vLLM processes, a real gateway and real files for the end-to-end tests.
+
+Each test gets a `Lab`: its own TMPDIR, gateway socket, shared-memory name
+and cache directory, and a config file naming them. `Lab.run` starts
+`driver.py` as a fresh process (a fresh engine: a "restart" is simply the
+next run) and returns what it reported. Every wait is on a real event with a
+bound: a process's exit, a readiness pipe, a server's log line and then its
+``/health`` answer (polled). No sleep stands in for a condition.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import select
+import signal
+import subprocess
+import sys
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvharbor.demo.server import VllmServer
+
+DRIVER = Path(__file__).with_name("driver.py")
+REPO = Path(__file__).resolve().parents[2]
+ENGINE_TIMEOUT_S = 300
+"""Bound on one engine process; a healthy one takes 10-20 s on two cores."""
+READY_TIMEOUT_S = 30
+
+CHUNK = 256
+"""kvharbor's default chunk size, in tokens."""
+BLOCK = 128
+"""vLLM's block size on the CPU backend."""
+OFF_LINE = "external KV cache turned off on this rank"
+
+
+def bound(num_tokens: int, chunk: int = CHUNK, block: int = BLOCK) -> int:
+    """Most tokens a restart can restore: whole chunks, and never the last prompt
+    position (vLLM computes it), in whole blocks."""
+    return min(num_tokens // chunk * chunk, (num_tokens - 1) // block * block)
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    """A prompt of ``n`` token ids, past the tiny model's special tokens (0-3)."""
+    rng = random.Random(seed)
+    return [rng.randrange(4, 4096) for _ in range(n)]
+
+
+def request(prompt: list[int], salt: str | None = None, max_tokens: int = 8) -> dict[str, Any]:
+    return {"tokens": prompt, "salt": salt, "max_tokens": max_tokens}
+
+
+@dataclass
+class Run:
+    returncode: int
+    records: list[dict[str, Any]]
+    log: str
+    """stdout and stderr together: vLLM's log and kvharbor's."""
+
+    def ok(self) -> Run:
+        assert self.returncode == 0, f"engine exited with {self.returncode}; its log:\n{self.log[-8000:]}"
+        return self
+
+    def requests(self) -> dict[str, dict[str, Any]]:
+        return {r["request"]: r for r in self.records if "request" in r}
+
+    def rounds(self) -> list[dict[str, Any]]:
+        return [r for r in self.records if "round" in r]
+
+    def metrics(self) -> dict[str, float]:
+        found = [r["metrics"] for r in self.records if "metrics" in r]
+        assert found, f"no metrics line; log:\n{self.log[-8000:]}"
+        return dict(found[-1])
+
+    def record(self, key: str) -> dict[str, Any]:
+        found = [r for r in self.records if key in r]
+        assert len(found) == 1, (key, found)
+        return found[0]
+
+
+@dataclass
+class Lab:
+    root: Path
+    model: Path
+    shm_name: str = field(default_factory=lambda: f"kvh-e2e-{uuid.uuid4().hex[:10]}")
+
+    def __post_init__(self) -> None:
+        self.tmp = self.root / "tmp"
+        self.tmp.mkdir(parents=True, exist_ok=True)
+        self.cache = self.root / "cache"
+        self.socket = self.root / "run" / "gw.sock"
+        self.config_path = self.write_config()
+        self._runs = 0
+        self._services: list[subprocess.Popen[bytes]] = []
+
+    def write_config(self, mode: str = "embedded", **engine: Any) -> Path:
+        document: dict[str, Any] = {
+            "gateway": {
+                "mode": mode,
+                "socket": str(self.socket),
+                "shm_name": self.shm_name,
+                "ring_mb": 64,
+                "shm_reserve_mb": 0,
+            },
+            "storage": {"tiers": [{"name": "local", "type": "file", "path": str(self.cache), "capacity_gb": 2}]},
+        }
+        if engine:
+            document["engine"] = engine
+        path = self.root / "kvharbor.yaml"
+        path.write_text(yaml.safe_dump(document))
+        return path
+
+    def env(self, kvharbor: bool = True, **extra: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("KVHARBOR", "VLLM_"))}
+        env.update(
+            TMPDIR=str(self.tmp),
+            HF_HUB_OFFLINE="1",
+            VLLM_ENABLE_V1_MULTIPROCESSING="0",
+            VLLM_CPU_KVCACHE_SPACE="1",
+            KVHARBOR_CONFIG=str(self.config_path),
+            PYTHONPATH=str(REPO),
+        )
+        if kvharbor:
+            env["KVHARBOR"] = "1"
+        env.update(extra)
+        return env
+
+    def run(self, spec: dict[str, Any], env: dict[str, str] | None = None) -> Run:
+        """One fresh engine process running ``spec`` (see driver.py)."""
+        self._runs += 1
+        spec_path = self.root / f"spec-{self._runs}.json"
+        spec_path.write_text(json.dumps({"model": str(self.model), **spec}))
+        log_path = self.root / f"engine-{self._runs}.log"
+        with open(log_path, "wb") as log:
+            process = subprocess.run(
+                [sys.executable, str(DRIVER), str(spec_path)],
+                env=env if env is not None else self.env(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                timeout=ENGINE_TIMEOUT_S,
+                cwd=self.root,
+            )
+        text = log_path.read_text(errors="replace")
+        records = [json.loads(line[4:]) for line in text.splitlines() if line.startswith("E2E {")]
+        return Run(process.returncode, records, text)
+
+    def start_gateway(self) -> subprocess.Popen[bytes]:
+        """``kvharbor gateway --config F`` as a service; returns once it serves."""
+        read_end, write_end = os.pipe()
+        with open(self.root / "gateway.log", "ab") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "kvharbor", "gateway", "--config", str(self.config_path), "--ready-fd",
+                 str(write_end)],
+                pass_fds=(write_end,), stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+                env=self.env(kvharbor=False),
+            )  # fmt: skip
+        os.close(write_end)
+        self._services.append(process)
+        try:
+            ready, _, _ = select.select([read_end], [], [], READY_TIMEOUT_S)
+            answer = os.read(read_end, 16) if ready else b""
+        finally:
+            os.close(read_end)
+        assert answer == b"ready\n", f"gateway did not become ready: {self.gateway_log()}"
+        return process
+
+    def gateway_log(self) -> str:
+        path = self.root / "gateway.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def close(self) -> None:
+        for process in self._services:
+            if process.poll() is None:
+                process.send_signal(signal.SIGKILL)
+            process.wait(READY_TIMEOUT_S)
+        for segment in Path("/dev/shm").glob(f"{self.shm_name}*"):
+            segment.unlink(missing_ok=True)
+
+
+def start_server(lab: Lab) -> VllmServer:
+    """vLLM's OpenAI server on the tiny model with ``KVHARBOR=1``, multiprocessing on (as users run it)."""
+    env = lab.env()
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
+    log = lab.root / f"server-{uuid.uuid4().hex[:6]}.log"
+    # A graceful stop lets the workers finish their last saves; vLLM's default
+    # (0 s) kills the engine and its children at once, in-flight writes included.
+    args = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "4096", "--shutdown-timeout", "30"]
+    return VllmServer(lab.model, log, env, name="tiny", args=args, cwd=lab.root)

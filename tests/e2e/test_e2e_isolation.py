@@ -1,0 +1,48 @@
+"""What must never hit: another tenant's salt, another layout, another model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from e2e_harness import Lab, bound, request, tokens
+
+from kvharbor.demo.model import build_tiny_model
+
+pytestmark = pytest.mark.e2e
+
+LONG = tokens(1001, seed=11)
+
+
+@pytest.fixture(scope="module")
+def other_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Same architecture, other weights: its KV must never be read as the first model's."""
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "other", seed=7)
+
+
+def test_salts_isolate_tenants(lab: Lab) -> None:
+    first = lab.run({"rounds": [[request(LONG, "tenantA")], [request(LONG, "tenantB")]]}).ok()
+    assert [r["external_hits"] for r in first.rounds()] == [0, 0]
+    assert [r["cached"] for r in first.requests().values()] == [0, 0]  # vLLM's own cache is salted too
+
+    restarted = lab.run({"rounds": [[request(LONG, "tenantA")], [request(LONG, "tenantC")], [request(LONG)]]}).ok()
+    hits = [r["external_hits"] for r in restarted.rounds()]
+    assert hits == [bound(len(LONG)), 0, 0]
+    assert restarted.requests()["0.0"]["cached"] == bound(len(LONG))
+
+
+def test_a_layout_change_never_hits(lab: Lab, other_model: Path) -> None:
+    lab.run({"rounds": [[request(LONG)]]}).ok()
+
+    bigger_chunks = lab.run({"rounds": [[request(LONG)]]}, lab.env(KVHARBOR__ENGINE__CHUNK_SIZE="512")).ok()
+    assert bigger_chunks.rounds()[0]["external_hits"] == 0
+    assert bigger_chunks.metrics()["vllm:kvharbor_stored_chunks"] == len(LONG) // 512
+    assert "chunk 512 tokens" in bigger_chunks.log
+
+    other = lab.run({"model": str(other_model), "rounds": [[request(LONG)]]}).ok()
+    assert other.rounds()[0]["external_hits"] == 0
+    assert other.metrics()["vllm:kvharbor_load_errors"] == 0
+
+    # The original layout still finds its own chunks: the misses above were the layout's doing.
+    again = lab.run({"rounds": [[request(LONG)]]}).ok()
+    assert again.rounds()[0]["external_hits"] == bound(len(LONG))

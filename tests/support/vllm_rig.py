@@ -1,0 +1,185 @@
+"""vLLM's real scheduler with kvharbor's connector in it, and no model: the connector's planning, step by step.
+
+`SchedulerRig` builds the engine config from the tiny model, a KV cache of a
+chosen number of blocks and vLLM's own `Scheduler`, which creates the
+connector (scheduler role) the way an engine does. The connector's gateway
+link is pointed at a `FakeGateway`. `step` runs one scheduling step, plays
+the worker (saves land in the fake gateway) and the model (one token for
+every request whose prefill completes), and returns what the connector told
+the workers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import torch
+from vllm.config import KVTransferConfig
+from vllm.engine.arg_utils import EngineArgs
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+import kvharbor.connector.vllm.connector as connector_module
+from kvharbor.connector.link import CacheLink, RankSwitch
+from kvharbor.connector.vllm.metadata import KVHarborMetadata
+from kvharbor.connector.vllm.scheduler import SchedulerSide
+from tests.support.fake_gateway import FakeGateway
+
+BLOCK = 128
+NEXT_TOKEN = 5
+"""What the stand-in model always samples."""
+
+
+@dataclass
+class Step:
+    output: SchedulerOutput
+    meta: KVHarborMetadata
+    finished: list[str] = field(default_factory=list)
+    stats: dict[str, float] = field(default_factory=dict)
+    """The connector stats vLLM collected in this step (`SchedulerStats.kv_connector_stats`)."""
+
+    def scheduled(self, req_id: str) -> int:
+        return int(self.output.num_scheduled_tokens.get(req_id, 0))
+
+    def new_request(self, req_id: str) -> Any:
+        found = [r for r in self.output.scheduled_new_reqs if r.req_id == req_id]
+        return found[0] if found else None
+
+
+class SchedulerRig:
+    def __init__(
+        self,
+        model: Path,
+        *,
+        num_blocks: int = 64,
+        max_batched_tokens: int = 4096,
+        prefix_caching: bool = True,
+        engine: dict[str, Any] | None = None,
+        gateway: FakeGateway | None = None,
+    ) -> None:
+        extra = {"engine": engine or {}}
+        transfer = KVTransferConfig(
+            kv_connector="KVHarborConnector",
+            kv_connector_module_path="kvharbor.connector.vllm.connector",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config=extra,
+        )
+        args = EngineArgs(
+            model=str(model),
+            enforce_eager=True,
+            dtype="float32",
+            max_model_len=4096,
+            max_num_batched_tokens=max_batched_tokens,
+            enable_prefix_caching=prefix_caching,
+            kv_transfer_config=transfer,
+        )
+        self.vllm_config = args.create_engine_config()
+        assert self.vllm_config.cache_config.block_size == BLOCK
+        self.vllm_config.cache_config.num_gpu_blocks = num_blocks
+        layers = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float32)
+        self.kv_cache_config = KVCacheConfig(
+            num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(layers, spec)]
+        )
+        self.gateway = gateway if gateway is not None else FakeGateway()
+
+        def link(config: Any, name: str) -> CacheLink:
+            return CacheLink(config, name, connect=self.gateway.connect, switch=RankSwitch())
+
+        # The connector vLLM builds here talks to the fake gateway.
+        with mock.patch.object(connector_module, "CacheLink", link):
+            self.scheduler = Scheduler(
+                self.vllm_config,
+                self.kv_cache_config,
+                StructuredOutputManager(self.vllm_config),
+                block_size=BLOCK,
+                log_stats=True,
+            )
+        connector = self.scheduler.connector
+        assert connector is not None
+        side = connector._scheduler  # type: ignore[attr-defined]
+        assert isinstance(side, SchedulerSide)
+        self.side = side
+        side.planner = None  # Always load: the load-or-recompute choice has its own tests.
+        self.requests: dict[str, Request] = {}
+        init_none_hash(sha256)
+        self._hasher = get_request_block_hasher(BLOCK, sha256)
+
+    @property
+    def layout(self) -> Any:
+        return self.side.layout
+
+    def keys(self, tokens: list[int], salt: str | None = None) -> list[bytes]:
+        """Rank 0's chunk keys of ``tokens``, as the connector computes them."""
+        return [bytes(k) for k in self.layout.keys(tokens, salt)[0]]
+
+    def request(self, req_id: str, tokens: list[int], max_tokens: int = 4, salt: str | None = None) -> Request:
+        return Request(
+            req_id,
+            list(tokens),
+            SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+            None,
+            cache_salt=salt,
+            block_hasher=self._hasher,
+        )
+
+    def add(self, req_id: str, tokens: list[int], max_tokens: int = 4, salt: str | None = None) -> Request:
+        request = self.request(req_id, tokens, max_tokens, salt)
+        self.requests[req_id] = request
+        self.scheduler.add_request(request)
+        return request
+
+    def step(self) -> Step:
+        output = self.scheduler.schedule()
+        meta = output.kv_connector_metadata
+        assert isinstance(meta, KVHarborMetadata)
+        for save in [] if self.gateway.failing else meta.saves:  # The worker's part: the chunks land.
+            for key in save.keys[0]:
+                assert bytes(key) not in self.gateway.values, "a chunk is saved a second time"
+                self.gateway.values[bytes(key)] = b"saved"
+                self.gateway.puts.append(bytes(key))
+        req_ids = list(output.num_scheduled_tokens)
+        sampled = []
+        for req_id in req_ids:
+            request = self.requests[req_id]
+            # num_computed_tokens is already advanced past this step's tokens.
+            sampled.append([NEXT_TOKEN] if request.num_computed_tokens >= request.num_tokens else [])
+        runner = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+        )
+        finished = []
+        stats: dict[str, float] = {}
+        for outputs in self.scheduler.update_from_output(output, runner).values():
+            finished += [o.request_id for o in outputs.outputs if o.finish_reason is not None]
+            if outputs.scheduler_stats is not None and outputs.scheduler_stats.kv_connector_stats:
+                stats = dict(outputs.scheduler_stats.kv_connector_stats)
+        return Step(output, meta, finished, stats)
+
+    def run(self, max_steps: int = 200) -> list[Step]:
+        """Step until every request has finished."""
+        steps = []
+        while self.scheduler.has_unfinished_requests():
+            steps.append(self.step())
+            assert len(steps) <= max_steps, "the scheduler did not finish"
+        return steps
+
+    @staticmethod
+    def total(steps: list[Step], name: str) -> float:
+        """A connector stat summed over steps, as vLLM's stats loggers see it."""
+        return sum(step.stats.get(name, 0) for step in steps)
+
+    def block_ids(self, req_id: str) -> list[int]:
+        return list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])

@@ -1,0 +1,101 @@
+"""The layout fingerprint and the refusals made at start (`kvharbor.connector.vllm.layout`)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from vllm.v1.kv_cache_interface import KVCacheGroupSpec, MambaSpec, SlidingWindowSpec
+
+from kvharbor.config import load_config
+from kvharbor.connector.vllm.layout import ConnectorRefusal, build_layout, check_mamba_reserve
+from tests.support.stand_ins import engine
+
+
+def digests(chunk_size: int = 256, namespace: str = "default", **changes: Any) -> tuple[bytes, ...]:
+    config = load_config(environ={}, overrides={"engine": {"chunk_size": chunk_size, "key_namespace": namespace}})
+    return build_layout(*engine(**changes), config).digests
+
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "model": {"model_config.model": "/models/other"},
+    "revision": {"model_config.revision": "abc123"},
+    "dtype": {"model_config.dtype": torch.bfloat16},
+    "kv cache dtype": {"cache_config.cache_dtype": "fp8"},
+    "tokenizer": {"model_config.tokenizer": "/tokenizers/other"},
+    "chunk size": {"chunk_size": 512},
+    "block size": {"cache_config.block_size": 64, "spec": {"block_size": 64}},
+    "tensor-parallel size": {"parallel_config.tensor_parallel_size": 2},
+    "pipeline size": {"parallel_config.pipeline_parallel_size": 2},
+    "namespace": {"namespace": "tenant-x"},
+    "kv heads": {"spec": {"num_kv_heads": 4}},
+    "head size": {"spec": {"head_size": 128}},
+    "device": {"device_config.device_type": "cuda"},
+    "kv cache layout": {"kv.kv_cache_layout": "NHD"},
+}
+
+
+def test_the_same_engine_gives_the_same_fingerprint() -> None:
+    assert digests() == digests()
+
+
+@pytest.mark.parametrize("field", sorted(VARIANTS))
+def test_any_field_changes_the_fingerprint(field: str) -> None:
+    changed = digests(**copy.deepcopy(VARIANTS[field]))
+    assert changed[0] != digests()[0]
+
+
+def test_every_variant_and_every_rank_has_its_own_fingerprint() -> None:
+    seen = [d for variant in VARIANTS.values() for d in digests(**copy.deepcopy(variant))] + list(digests())
+    assert len(seen) == len(set(seen))
+    tp2 = digests(**{"parallel_config.tensor_parallel_size": 2})
+    assert len(tp2) == 2 and tp2[0] != tp2[1]  # Each rank holds other bytes.
+
+
+def test_a_chunk_that_is_not_whole_blocks_is_refused_with_both_numbers() -> None:
+    with pytest.raises(ConnectorRefusal) as refusal:
+        digests(chunk_size=200)
+    message = str(refusal.value)
+    assert "engine.chunk_size 200" in message and "block size 128" in message
+    assert "set engine.chunk_size to 128" in message
+
+
+def test_a_cache_it_cannot_exchange_is_refused_by_name() -> None:
+    vllm_config, kv_cache_config = engine()
+    window = SlidingWindowSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.float32, sliding_window=512)
+    kv_cache_config.kv_cache_groups.append(KVCacheGroupSpec(["model.layers.4.self_attn.attn"], window))
+    with pytest.raises(ConnectorRefusal) as refusal:
+        build_layout(vllm_config, kv_cache_config, load_config(environ={}))
+    message = str(refusal.value)
+    assert "1 of 2 cache group(s)" in message
+    assert "SlidingWindowSpec (layer model.layers.4.self_attn.attn)" in message
+
+
+def test_a_hybrid_model_without_reserve_is_refused_with_the_watermark_to_use() -> None:
+    vllm_config, kv_cache_config = engine(**{"scheduler_config.watermark": 0.0})
+    mamba = MambaSpec(block_size=128, shapes=((4, 64),), dtypes=(torch.float32,))
+    kv_cache_config.kv_cache_groups.append(KVCacheGroupSpec(["model.layers.4.mixer"], mamba))
+    with pytest.raises(ConnectorRefusal, match=r"--watermark=0\.02"):
+        build_layout(vllm_config, kv_cache_config, load_config(environ={}))
+
+
+@pytest.mark.parametrize(
+    ("groups", "watermark", "blocks", "advice"),
+    [(3, 0.0, 150, "--watermark=0.02"), (3, 0.02, 100, "--watermark=0.03"), (5, 0.01, 50, "--watermark=0.1")],
+)
+def test_the_mamba_reserve_check_names_a_watermark_that_works(
+    groups: int, watermark: float, blocks: int, advice: str
+) -> None:
+    with pytest.raises(ConnectorRefusal) as refusal:
+        check_mamba_reserve(groups, watermark, blocks)
+    message = str(refusal.value)
+    assert advice in message
+    advised = float(advice.split("=")[1])
+    assert int(advised * blocks) >= groups  # The advice itself passes the check.
+    check_mamba_reserve(groups, advised, blocks)
+
+
+def test_enough_reserve_passes() -> None:
+    check_mamba_reserve(3, 0.02, 150)  # int(0.02 x 150) = 3 >= 3

@@ -1,0 +1,71 @@
+"""``KVHARBOR=1``: the connector is filled in only when the engine has no KV transfer config."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+from vllm.config import KVTransferConfig
+from vllm.engine.arg_utils import EngineArgs
+
+from kvharbor.connector.vllm import plugin
+from kvharbor.telemetry.log import OnceLog
+
+EXAMPLE = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both")
+
+
+@pytest.fixture(autouse=True)
+def fresh_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test sees the plugin's one-time lines afresh."""
+    monkeypatch.setattr(plugin, "_once", OnceLog(plugin._log))
+
+
+@pytest.mark.parametrize("value", ["", "0", "false", "off", "no"])
+def test_without_kvharbor_nothing_changes(value: str) -> None:
+    assert plugin.choose_transfer_config(None, {"KVHARBOR": value}) is None
+    assert plugin.choose_transfer_config(EXAMPLE, {"KVHARBOR": value}) is EXAMPLE
+
+
+def test_kvharbor_fills_in_its_connector_when_none_is_given(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, "kvharbor"):
+        chosen = plugin.choose_transfer_config(None, {"KVHARBOR": "1"})
+    assert chosen.kv_connector == "KVHarborConnector"
+    assert chosen.kv_connector_module_path == "kvharbor.connector.vllm.connector"
+    assert chosen.kv_role == "kv_both"
+    assert chosen.kv_load_failure_policy == "recompute"  # A miss is recomputed, never a failed request.
+    assert "kvharbor: KVHARBOR=1: the kvharbor KV connector is on" in caplog.text
+
+
+def test_an_explicit_config_wins_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, "kvharbor"):
+        assert plugin.choose_transfer_config(EXAMPLE, {"KVHARBOR": "1"}) is EXAMPLE
+        assert plugin.choose_transfer_config({"kv_connector": "NixlConnector"}, {"KVHARBOR": "1"}) == {
+            "kv_connector": "NixlConnector"
+        }
+    assert "explicit --kv-transfer-config (ExampleConnector) was given; it wins" in caplog.text
+    assert caplog.text.count("it wins") == 1  # Said once.
+
+
+def test_an_explicit_kvharbor_config_is_kept_silently(caplog: pytest.LogCaptureFixture) -> None:
+    mine = KVTransferConfig(**plugin.transfer_config())
+    with caplog.at_level(logging.INFO, "kvharbor"):
+        assert plugin.choose_transfer_config(mine, {"KVHARBOR": "1"}) is mine
+    assert "it wins" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("env", "given", "expected"),
+    [("1", None, "KVHarborConnector"), ("", None, None), ("1", EXAMPLE, "ExampleConnector")],
+)
+def test_the_wrapped_engine_args_build_the_chosen_config(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch, env: str, given: KVTransferConfig | None, expected: str | None
+) -> None:
+    monkeypatch.setenv("KVHARBOR", "1")
+    plugin.register()  # What vLLM's plugin loader runs; wraps EngineArgs.create_engine_config once.
+    monkeypatch.setenv("KVHARBOR", env)
+    args = EngineArgs(model=str(tiny_model), enforce_eager=True, dtype="float32", max_model_len=4096)
+    args.kv_transfer_config = given
+    config = args.create_engine_config()
+    chosen = config.kv_transfer_config
+    assert (chosen.kv_connector if chosen is not None else None) == expected

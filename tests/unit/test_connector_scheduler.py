@@ -1,0 +1,187 @@
+"""The connector's planning inside vLLM's real scheduler: what is loaded, what is saved, and when.
+
+Each test runs vLLM's `Scheduler` step by step (tests/support/vllm_rig.py):
+real requests, real block allocation, real prefix caching, chunked prefill
+and preemption; only the model and the gateway are stand-ins.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from tests.support.vllm_rig import BLOCK, SchedulerRig
+
+CHUNK = 256
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(4, 4096) for _ in range(n)]
+
+
+def bound(n: int) -> int:
+    return min(n // CHUNK * CHUNK, (n - 1) // BLOCK * BLOCK)
+
+
+def saved_keys(steps: list) -> list[bytes]:
+    return [bytes(k) for step in steps for save in step.meta.saves for k in save.keys[0]]
+
+
+@pytest.fixture
+def rig(tiny_model: Path) -> SchedulerRig:
+    return SchedulerRig(tiny_model)
+
+
+@pytest.mark.parametrize("n", [100, 255, 256, 257, 383, 384, 385, 1001, 1024, 1025])
+def test_a_full_store_offers_exactly_the_bound(rig: SchedulerRig, n: int) -> None:
+    tokens = prompt(n, seed=n)
+    rig.gateway.hold(rig.keys(tokens))
+    matched, asynchronous = rig.side.get_num_new_matched_tokens(rig.request("r", tokens), 0)
+    assert (matched, asynchronous) == (bound(n), False)
+    # vLLM may ask again (a request that could not be admitted): same answer, nothing else changes.
+    assert rig.side.get_num_new_matched_tokens(rig.request("r", tokens), 0) == (matched, False)
+
+
+def test_a_miss_saves_each_chunk_once_across_chunked_prefill(tiny_model: Path) -> None:
+    rig = SchedulerRig(tiny_model, max_batched_tokens=512)
+    tokens = prompt(1001)
+    keys = rig.keys(tokens)
+    rig.add("r", tokens, max_tokens=6)
+    steps = rig.run()
+
+    assert [s.scheduled("r") for s in steps[:2]] == [512, 489]
+    cached = steps[1].output.scheduled_cached_reqs
+    blocks = list(steps[0].new_request("r").block_ids[0]) + list(cached.new_block_ids[0][0])
+    assert len(blocks) == 8
+    # Step 1 computed 512 tokens: chunks 0 and 1. Step 2 finished the prompt: chunk 2
+    # (1001 tokens hold 3 whole chunks). Each from its own blocks, each once.
+    [first] = steps[0].meta.saves
+    [second] = steps[1].meta.saves
+    assert [bytes(k) for k in first.keys[0]] == keys[:2] and first.block_ids == blocks[:4]
+    assert [bytes(k) for k in second.keys[0]] == keys[2:] and second.block_ids == blocks[4:6]
+    assert all(not s.meta.saves and not s.meta.loads for s in steps[2:])
+    assert len(rig.gateway.lookups) == 1
+    assert rig.total(steps, "lookup_chunks") == 3 and rig.total(steps, "hit_chunks") == 0
+
+
+def test_a_restart_hit_loads_up_to_the_bound_and_saves_nothing_stored(rig: SchedulerRig) -> None:
+    tokens = prompt(1024)
+    rig.gateway.hold(rig.keys(tokens))
+    rig.add("r", tokens)
+    steps = rig.run()
+
+    first = steps[0]
+    new = first.new_request("r")
+    assert new.num_computed_tokens == bound(1024) == 896
+    assert first.scheduled("r") == 1024 - 896
+    [load] = first.meta.loads
+    assert [bytes(k) for k in load.keys[0]] == rig.keys(tokens)  # The last chunk is loaded in part.
+    assert load.skip_blocks == 0
+    assert load.block_ids == list(new.block_ids[0][:7])
+    assert saved_keys(steps) == []
+    assert all(not s.meta.loads for s in steps[1:])
+
+
+def test_a_partial_store_loads_what_it_has_and_saves_the_rest(rig: SchedulerRig) -> None:
+    tokens = prompt(1001)
+    keys = rig.keys(tokens)
+    rig.gateway.hold(keys[:2])
+    rig.add("r", tokens)
+    steps = rig.run()
+
+    [load] = steps[0].meta.loads
+    assert [bytes(k) for k in load.keys[0]] == keys[:2]
+    assert steps[0].new_request("r").num_computed_tokens == 512
+    assert saved_keys(steps) == keys[2:]
+
+
+def test_a_load_starts_where_vllms_own_prefix_cache_ends(rig: SchedulerRig) -> None:
+    full = prompt(1024, seed=1)
+    rig.add("partial", full[:400] + prompt(100, seed=2))
+    rig.run()  # Its blocks stay in vLLM's prefix cache: 3 full blocks of `full`.
+    rig.gateway.hold(rig.keys(full))
+    local = rig.scheduler.kv_cache_manager.get_computed_blocks(rig.request("probe", full))[1]
+    assert local == 3 * BLOCK
+
+    rig.add("full", full)
+    step = rig.step()
+    new = step.new_request("full")
+    blocks = list(new.block_ids[0])
+    assert new.num_computed_tokens == bound(1024)
+    [load] = step.meta.loads
+    # Local hit 384 tokens = 3 blocks = chunk 0 and half of chunk 1: load the rest of
+    # chunk 1 (skipping its first block), chunk 2, and chunk 3 up to the bound.
+    assert load.skip_blocks == 1
+    assert [bytes(k) for k in load.keys[0]] == rig.keys(full)[1:4]
+    assert load.block_ids == blocks[3:7]
+
+
+def test_a_salt_changes_every_key_and_a_required_salt_skips_the_rest(tiny_model: Path) -> None:
+    rig = SchedulerRig(tiny_model, engine={"require_cache_salt": True})
+    tokens = prompt(600)
+    assert set(rig.keys(tokens, "tenantA")).isdisjoint(rig.keys(tokens, "tenantB"))
+    assert set(rig.keys(tokens, "tenantA")).isdisjoint(rig.keys(tokens))
+
+    rig.gateway.hold(rig.keys(tokens))
+    rig.add("unsalted", tokens)
+    rig.add("salted", tokens, salt="tenantA")
+    steps = rig.run()
+
+    assert steps[0].new_request("unsalted").num_computed_tokens == 0
+    assert steps[0].new_request("salted").num_computed_tokens == 0
+    assert len(rig.gateway.lookups) == 1  # The salted request only.
+    assert saved_keys(steps) == rig.keys(tokens, "tenantA")
+    # vLLM asked about the unsalted request once per step until admission; counted once.
+    assert rig.side.counters.unsalted_skipped == 1
+    assert rig.total(steps, "unsalted_skipped") == 1
+    assert rig.total(steps, "lookups") == 1
+    assert rig.total(steps, "hit_chunks") == 0
+
+
+def test_a_preempted_request_resumes_from_its_saved_chunks(tiny_model: Path) -> None:
+    # 16 usable blocks: two prompts of 8 blocks fill them; when both need a 9th
+    # block to decode, vLLM preempts the later one and frees its blocks.
+    rig = SchedulerRig(tiny_model, num_blocks=17, prefix_caching=False)
+    long, other = prompt(1000, seed=3), prompt(900, seed=4)
+    rig.add("long", long, max_tokens=60)
+    rig.add("other", other, max_tokens=60)
+    steps = rig.run()
+
+    preempted = [i for i, s in enumerate(steps) if "other" in (s.output.preempted_req_ids or set())]
+    assert preempted, "the rig did not preempt: the test proves nothing"
+    [resume] = [s for s in steps[preempted[0] :] if "other" in s.output.scheduled_cached_reqs.resumed_req_ids]
+    cached = resume.output.scheduled_cached_reqs
+    blocks = list(cached.new_block_ids[cached.req_ids.index("other")][0])
+    # Its prompt chunks were saved during its first prefill: they come back into its new blocks.
+    [load] = resume.meta.loads
+    assert load.request_id == "other"
+    assert [bytes(k) for k in load.keys[0]] == rig.keys(other)
+    assert load.block_ids == blocks[:6]
+    assert resume.scheduled("other") == len(other) + cached.num_output_tokens[cached.req_ids.index("other")] - 768
+    # Every chunk of both prompts saved exactly once (the rig also refuses a repeat).
+    assert sorted(saved_keys(steps)) == sorted(rig.keys(long) + rig.keys(other))
+
+
+def test_a_dead_gateway_is_a_miss_not_an_error(rig: SchedulerRig) -> None:
+    tokens = prompt(1001)
+    rig.gateway.hold(rig.keys(tokens))
+    rig.gateway.failing = True
+    rig.add("r", tokens)
+    steps = rig.run()
+    assert steps[0].new_request("r").num_computed_tokens == 0
+    assert rig.side.link.is_off
+    assert steps[-1].stats["cache_off"] == 1
+
+
+def test_a_salt_that_is_not_a_string_is_a_counted_skip(rig: SchedulerRig) -> None:
+    tokens = prompt(600)
+    rig.gateway.hold(rig.keys(tokens))
+    request = rig.request("r", tokens)
+    request.cache_salt = 42  # type: ignore[assignment]  # What a front end might pass through.
+    assert rig.side.get_num_new_matched_tokens(request, 0) == (0, False)
+    assert rig.side.get_num_new_matched_tokens(request, 0) == (0, False)
+    assert rig.side.counters.bad_salt_skipped == 1
+    assert rig.gateway.lookups == []

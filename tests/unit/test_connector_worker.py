@@ -1,0 +1,114 @@
+"""The worker half on CPU tensors: save, then load in a new worker; partial chunks; what a failed load reports."""
+
+from __future__ import annotations
+
+import torch
+
+from kvharbor.config import load_config
+from kvharbor.connector.link import CacheLink, RankSwitch
+from kvharbor.connector.vllm.metadata import ChunkTransfer, KVHarborMetadata
+from kvharbor.connector.vllm.worker import WorkerSide
+from tests.support.fake_gateway import FakeGateway
+from tests.support.stand_ins import LAYERS, layout
+
+NUM_BLOCKS = 16
+K0, K1, MISSING = (bytes([i]) * 16 for i in (1, 2, 3))
+
+
+def caches(seed: int | None) -> dict[str, torch.Tensor]:
+    """vLLM's CPU layout for the stand-in engine: (blocks, 2 KV heads, 128 tokens, 2 x 64)."""
+    storage = torch.zeros(len(LAYERS), NUM_BLOCKS, 2, 128, 128)
+    if seed is not None:
+        storage.copy_(torch.randn(storage.shape, generator=torch.Generator().manual_seed(seed)))
+    return dict(zip(LAYERS, storage.unbind(0), strict=True))
+
+
+def worker(gateway: FakeGateway, kv: dict[str, torch.Tensor]) -> WorkerSide:
+    config = load_config(environ={})
+    switch = RankSwitch()
+    side = WorkerSide(
+        layout(),
+        config,
+        CacheLink(config, "load", connect=gateway.connect, switch=switch),
+        CacheLink(config, "save", connect=gateway.connect, switch=switch),
+        rank=0,
+    )
+    side.register(kv, NUM_BLOCKS)
+    return side
+
+
+def transfer(keys: list[bytes], blocks: list[int], skip: int = 0) -> ChunkTransfer:
+    return ChunkTransfer(request_id="r", keys=[keys], block_ids=blocks, skip_blocks=skip)
+
+
+def saved(gateway: FakeGateway, source: dict[str, torch.Tensor]) -> None:
+    """Chunks K0 (blocks 1, 2) and K1 (blocks 3, 4) of ``source``, saved and committed."""
+    side = worker(gateway, source)
+    side.save(KVHarborMetadata(saves=[transfer([K0, K1], [1, 2, 3, 4])]))
+    side.close()  # Waits for the background commit.
+    assert gateway.puts == [K0, K1]
+
+
+def same_pages(
+    a: dict[str, torch.Tensor], a_blocks: list[int], b: dict[str, torch.Tensor], b_blocks: list[int]
+) -> bool:
+    return all(torch.equal(a[n][torch.tensor(a_blocks)], b[n][torch.tensor(b_blocks)]) for n in LAYERS)
+
+
+def test_saved_chunks_load_into_other_blocks_of_a_new_worker() -> None:
+    gateway, source, target = FakeGateway(), caches(seed=1), caches(seed=None)
+    saved(gateway, source)
+    side = worker(gateway, target)
+    side.load(KVHarborMetadata(loads=[transfer([K0, K1], [9, 5, 12, 7])]))
+    assert same_pages(target, [9, 5, 12, 7], source, [1, 2, 3, 4])
+    assert side.take_load_errors() == set()
+    stats = side.take_stats()
+    page = 2 * 128 * 128 * 4  # 2 KV heads x 128 tokens x (K and V of 64) x float32
+    assert stats["loaded_chunks"] == 2 and stats["loaded_bytes"] == 2 * len(LAYERS) * 2 * page
+    assert stats["cache_off"] == 0
+
+
+def test_a_load_may_start_and_end_inside_a_chunk() -> None:
+    gateway, source, target = FakeGateway(), caches(seed=2), caches(seed=None)
+    saved(gateway, source)
+    side = worker(gateway, target)
+    # The engine's own cache holds chunk 0's first block; the bound stops before K1's last block.
+    side.load(KVHarborMetadata(loads=[transfer([K0, K1], [10, 11], skip=1)]))
+    assert same_pages(target, [10, 11], source, [2, 3])
+    untouched = [b for b in range(NUM_BLOCKS) if b not in (10, 11)]
+    assert all(not target[n][untouched].any() for n in LAYERS)
+    assert side.take_load_errors() == set()
+
+
+def test_blocks_the_cache_cannot_deliver_are_reported_for_recompute() -> None:
+    gateway, source, target = FakeGateway(), caches(seed=3), caches(seed=None)
+    saved(gateway, source)
+    side = worker(gateway, target)
+    side.load(KVHarborMetadata(loads=[transfer([K0, MISSING], [5, 6, 7, 8])]))
+    assert same_pages(target, [5, 6], source, [1, 2])
+    assert side.take_load_errors() == {7, 8}
+    assert side.take_load_errors() == set()  # Reported once.
+    assert side.take_stats()["load_errors"] == 2
+
+
+def test_a_value_of_another_size_is_never_copied_in() -> None:
+    gateway, target = FakeGateway(), caches(seed=None)
+    gateway.hold([K0], b"\x7f" * 1000)
+    side = worker(gateway, target)
+    side.load(KVHarborMetadata(loads=[transfer([K0], [5, 6])]))
+    assert side.take_load_errors() == {5, 6}
+    assert all(not t.any() for t in target.values())
+
+
+def test_a_dead_gateway_fails_loads_not_the_step() -> None:
+    gateway, source, target = FakeGateway(), caches(seed=4), caches(seed=None)
+    saved(gateway, source)
+    side = worker(gateway, target)
+    gateway.failing = True
+    side.load(KVHarborMetadata(loads=[transfer([K0, K1], [5, 6, 7, 8])]))
+    side.save(KVHarborMetadata(saves=[transfer([MISSING], [1, 2])]))
+    assert side.take_load_errors() == {5, 6, 7, 8}
+    assert side.take_stats()["cache_off"] == 1
+    assert side.take_stats()["cache_off"] == 1  # Every step from now on, not only the failing one.
+    side.close()
+    assert MISSING not in gateway.values

@@ -1,0 +1,40 @@
+"""The demo's pieces that need no engine: its config, and what it prints and returns."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvharbor.cli import main
+from kvharbor.config import load_config
+from kvharbor.demo.run import DemoResult, write_config
+
+
+def test_the_demo_config_keeps_everything_under_its_workdir(tmp_path: Path) -> None:
+    config = load_config(write_config(tmp_path), environ={})
+    assert config.gateway.mode == "embedded"
+    assert Path(config.gateway.socket).is_relative_to(tmp_path)
+    [tier] = config.storage.tiers
+    assert tier.type == "file" and Path(tier.path) == tmp_path / "cache"  # type: ignore[attr-defined]
+    other = load_config(write_config(tmp_path / "b"), environ={})
+    assert other.gateway.shm_name != config.gateway.shm_name  # Two demos never share a segment.
+
+
+def test_the_summary_gives_tokens_and_the_gain() -> None:
+    result = DemoResult(prompt_tokens=3001, cached_tokens=2816, cold_ttft_s=2.0, warm_ttft_s=0.4)
+    assert result.hit
+    assert result.summary() == (
+        "restart hit: 2816 of 3001 prompt tokens restored from kvharbor; TTFT 2.00 s -> 0.40 s (5.0x)"
+    )
+
+
+def test_no_hit_is_a_failure_that_says_where_to_look() -> None:
+    result = DemoResult(prompt_tokens=3001, cached_tokens=0, cold_ttft_s=1.9, warm_ttft_s=1.9)
+    assert not result.hit
+    assert "no restart hit" in result.summary() and "server logs" in result.summary()
+
+
+def test_a_prompt_shorter_than_a_chunk_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--prompt-tokens", "100"]) == 2
+    assert "--prompt-tokens must be above one chunk" in capsys.readouterr().err
