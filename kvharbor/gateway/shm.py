@@ -116,7 +116,10 @@ class Segment:
         self.size = size
         self.owner = owner
         try:
-            self.map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            # Populated at map time: otherwise every first touch of a page (each
+            # restore after a restart) pays a page fault in the middle of a copy.
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            self.map = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
         self.view = memoryview(self.map)
