@@ -3,8 +3,8 @@
 `SchedulerRig` builds the engine config from the tiny model, a KV cache of a
 chosen number of blocks and vLLM's own `Scheduler`, which creates the
 connector (scheduler role) the way an engine does. The connector's gateway
-link is pointed at a `FakeGateway`. `step` runs one scheduling step, plays
-the worker (saves land in the fake gateway) and the model (one token for
+link is pointed at a real gateway (`RealGateway`). `step` runs one scheduling step, plays
+the worker (saves land in the gateway, through a real client) and the model (one token for
 every request whose prefill completes), and returns what the connector told
 the workers.
 """
@@ -33,7 +33,7 @@ import kvharbor.connector.vllm.connector as connector_module
 from kvharbor.connector.link import CacheLink, RankSwitch
 from kvharbor.connector.vllm.metadata import KVHarborMetadata
 from kvharbor.connector.vllm.scheduler import SchedulerSide
-from tests.support.fake_gateway import FakeGateway
+from tests.support.real_gateway import RealGateway
 
 BLOCK = 128
 NEXT_TOKEN = 5
@@ -65,7 +65,7 @@ class SchedulerRig:
         max_batched_tokens: int = 4096,
         prefix_caching: bool = True,
         engine: dict[str, Any] | None = None,
-        gateway: FakeGateway | None = None,
+        gateway: RealGateway,
     ) -> None:
         extra = {"engine": engine or {}}
         transfer = KVTransferConfig(
@@ -92,12 +92,12 @@ class SchedulerRig:
         self.kv_cache_config = KVCacheConfig(
             num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(layers, spec)]
         )
-        self.gateway = gateway if gateway is not None else FakeGateway()
+        self.gateway = gateway
 
         def link(config: Any, name: str) -> CacheLink:
             return CacheLink(config, name, connect=self.gateway.connect, switch=RankSwitch())
 
-        # The connector vLLM builds here talks to the fake gateway.
+        # The connector vLLM builds here talks to this test's gateway.
         with mock.patch.object(connector_module, "CacheLink", link):
             self.scheduler = Scheduler(
                 self.vllm_config,
@@ -144,11 +144,9 @@ class SchedulerRig:
         output = self.scheduler.schedule()
         meta = output.kv_connector_metadata
         assert isinstance(meta, KVHarborMetadata)
-        for save in [] if self.gateway.failing else meta.saves:  # The worker's part: the chunks land.
-            for key in save.keys[0]:
-                assert bytes(key) not in self.gateway.values, "a chunk is saved a second time"
-                self.gateway.values[bytes(key)] = b"saved"
-                self.gateway.puts.append(bytes(key))
+        for save in meta.saves if self.gateway.serving else []:  # The worker's part: the chunks land.
+            keys = [bytes(key) for key in save.keys[0]]
+            assert self.gateway.hold(keys, b"saved") == len(keys), "a chunk is saved a second time"
         req_ids = list(output.num_scheduled_tokens)
         sampled = []
         for req_id in req_ids:

@@ -6,52 +6,52 @@ import logging
 
 import pytest
 
-from kvharbor.config import load_config
 from kvharbor.connector.link import CacheLink, RankSwitch
 from kvharbor.gateway.client import GatewayRefused
 from kvharbor.gateway.protocol import ErrorCode
-from tests.support.fake_gateway import FakeGateway
+from tests.support.real_gateway import RealGateway
 
 OFF = "external KV cache turned off on this rank"
 KEYS = [bytes([i]) * 16 for i in range(3)]
 
 
-def links(gateway: FakeGateway, count: int = 2) -> list[CacheLink]:
-    config = load_config(environ={})
+def links(gateway: RealGateway, count: int = 2) -> list[CacheLink]:
+    """Links of one rank, through the real client (the default connect in service mode)."""
     switch = RankSwitch()
-    return [CacheLink(config, f"link {i}", connect=gateway.connect, switch=switch) for i in range(count)]
+    return [CacheLink(gateway.config, f"link {i}", switch=switch) for i in range(count)]
 
 
-def test_one_links_failure_turns_off_every_link_of_the_rank_and_says_so_once(caplog: pytest.LogCaptureFixture) -> None:
-    gateway = FakeGateway()
+def test_one_links_failure_turns_off_every_link_of_the_rank_and_says_so_once(
+    real_gateway: RealGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    gateway = real_gateway
     gateway.hold(KEYS)
     load, save = links(gateway)
     assert load.lookup(KEYS, 256) == 3 and save.start()
-    gateway.failing = True
+    gateway.stop()
     with caplog.at_level(logging.ERROR, "kvharbor"):
         assert load.lookup(KEYS, 256) == 0  # A miss, not an exception.
         assert save.store(b"f" * 16, [(KEYS[0], 8)], lambda i, view: None) == 0
     assert load.is_off and save.is_off
     assert caplog.text.count(OFF) == 1
     assert "connection lost" in load.off_reason
-    # From now on every call answers at once, without touching the gateway.
-    gateway.failing = False
+    # From now on every call answers at once, without touching the gateway, even one serving again.
+    gateway.start()
     connects = gateway.connects
     assert load.lookup(KEYS, 256) == 0 and load.load(b"f" * 16, KEYS, lambda i, v: None) == 0
     assert gateway.connects == connects and save.counters.off == 1
 
 
-def test_a_gateway_that_is_not_there_turns_the_cache_off_at_start() -> None:
-    gateway = FakeGateway()
-    gateway.failing = True
+def test_a_gateway_that_is_not_there_turns_the_cache_off_at_start(real_gateway: RealGateway) -> None:
+    gateway = real_gateway
+    gateway.stop()
     [link] = links(gateway, 1)
     assert not link.start()
     assert link.is_off and link.counters.off == 1
 
 
-def test_a_refusal_costs_only_that_request(caplog: pytest.LogCaptureFixture) -> None:
-    gateway = FakeGateway()
-    [link] = links(gateway, 1)
+def test_a_refusal_costs_only_that_request(real_gateway: RealGateway, caplog: pytest.LogCaptureFixture) -> None:
+    [link] = links(real_gateway, 1)
     link.start()
 
     def refuse(*args: object) -> int:

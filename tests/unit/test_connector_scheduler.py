@@ -2,7 +2,7 @@
 
 Each test runs vLLM's `Scheduler` step by step (tests/support/vllm_rig.py):
 real requests, real block allocation, real prefix caching, chunked prefill
-and preemption; only the model and the gateway are stand-ins.
+and preemption; only the model is a stand-in; the gateway is real.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.real_gateway import RealGateway
 from tests.support.vllm_rig import BLOCK, SchedulerRig
 
 CHUNK = 256
@@ -31,8 +32,8 @@ def saved_keys(steps: list) -> list[bytes]:
 
 
 @pytest.fixture
-def rig(tiny_model: Path) -> SchedulerRig:
-    return SchedulerRig(tiny_model)
+def rig(tiny_model: Path, real_gateway: RealGateway) -> SchedulerRig:
+    return SchedulerRig(tiny_model, gateway=real_gateway)
 
 
 @pytest.mark.parametrize("n", [100, 255, 256, 257, 383, 384, 385, 1001, 1024, 1025])
@@ -45,8 +46,8 @@ def test_a_full_store_offers_exactly_the_bound(rig: SchedulerRig, n: int) -> Non
     assert rig.side.get_num_new_matched_tokens(rig.request("r", tokens), 0) == (matched, False)
 
 
-def test_a_miss_saves_each_chunk_once_across_chunked_prefill(tiny_model: Path) -> None:
-    rig = SchedulerRig(tiny_model, max_batched_tokens=512)
+def test_a_miss_saves_each_chunk_once_across_chunked_prefill(tiny_model: Path, real_gateway: RealGateway) -> None:
+    rig = SchedulerRig(tiny_model, gateway=real_gateway, max_batched_tokens=512)
     tokens = prompt(1001)
     keys = rig.keys(tokens)
     rig.add("r", tokens, max_tokens=6)
@@ -63,7 +64,7 @@ def test_a_miss_saves_each_chunk_once_across_chunked_prefill(tiny_model: Path) -
     assert [bytes(k) for k in first.keys[0]] == keys[:2] and first.block_ids == blocks[:4]
     assert [bytes(k) for k in second.keys[0]] == keys[2:] and second.block_ids == blocks[4:6]
     assert all(not s.meta.saves and not s.meta.loads for s in steps[2:])
-    assert len(rig.gateway.lookups) == 1
+    assert rig.gateway.lookups == 1
     assert rig.total(steps, "lookup_chunks") == 3 and rig.total(steps, "hit_chunks") == 0
 
 
@@ -119,8 +120,10 @@ def test_a_load_starts_where_vllms_own_prefix_cache_ends(rig: SchedulerRig) -> N
     assert load.block_ids == blocks[3:7]
 
 
-def test_a_salt_changes_every_key_and_a_required_salt_skips_the_rest(tiny_model: Path) -> None:
-    rig = SchedulerRig(tiny_model, engine={"require_cache_salt": True})
+def test_a_salt_changes_every_key_and_a_required_salt_skips_the_rest(
+    tiny_model: Path, real_gateway: RealGateway
+) -> None:
+    rig = SchedulerRig(tiny_model, gateway=real_gateway, engine={"require_cache_salt": True})
     tokens = prompt(600)
     assert set(rig.keys(tokens, "tenantA")).isdisjoint(rig.keys(tokens, "tenantB"))
     assert set(rig.keys(tokens, "tenantA")).isdisjoint(rig.keys(tokens))
@@ -132,7 +135,7 @@ def test_a_salt_changes_every_key_and_a_required_salt_skips_the_rest(tiny_model:
 
     assert steps[0].new_request("unsalted").num_computed_tokens == 0
     assert steps[0].new_request("salted").num_computed_tokens == 0
-    assert len(rig.gateway.lookups) == 1  # The salted request only.
+    assert rig.gateway.lookups == 1  # The salted request only.
     assert saved_keys(steps) == rig.keys(tokens, "tenantA")
     # vLLM asked about the unsalted request once per step until admission; counted once.
     assert rig.side.counters.unsalted_skipped == 1
@@ -141,10 +144,10 @@ def test_a_salt_changes_every_key_and_a_required_salt_skips_the_rest(tiny_model:
     assert rig.total(steps, "hit_chunks") == 0
 
 
-def test_a_preempted_request_resumes_from_its_saved_chunks(tiny_model: Path) -> None:
+def test_a_preempted_request_resumes_from_its_saved_chunks(tiny_model: Path, real_gateway: RealGateway) -> None:
     # 16 usable blocks: two prompts of 8 blocks fill them; when both need a 9th
     # block to decode, vLLM preempts the later one and frees its blocks.
-    rig = SchedulerRig(tiny_model, num_blocks=17, prefix_caching=False)
+    rig = SchedulerRig(tiny_model, gateway=real_gateway, num_blocks=17, prefix_caching=False)
     long, other = prompt(1000, seed=3), prompt(900, seed=4)
     rig.add("long", long, max_tokens=60)
     rig.add("other", other, max_tokens=60)
@@ -168,7 +171,7 @@ def test_a_preempted_request_resumes_from_its_saved_chunks(tiny_model: Path) -> 
 def test_a_dead_gateway_is_a_miss_not_an_error(rig: SchedulerRig) -> None:
     tokens = prompt(1001)
     rig.gateway.hold(rig.keys(tokens))
-    rig.gateway.failing = True
+    rig.gateway.stop()
     rig.add("r", tokens)
     steps = rig.run()
     assert steps[0].new_request("r").num_computed_tokens == 0
@@ -184,4 +187,4 @@ def test_a_salt_that_is_not_a_string_is_a_counted_skip(rig: SchedulerRig) -> Non
     assert rig.side.get_num_new_matched_tokens(request, 0) == (0, False)
     assert rig.side.get_num_new_matched_tokens(request, 0) == (0, False)
     assert rig.side.counters.bad_salt_skipped == 1
-    assert rig.gateway.lookups == []
+    assert rig.gateway.lookups == 0

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
-from kvharbor.config import load_config
 from kvharbor.connector.link import CacheLink, RankSwitch
 from kvharbor.connector.vllm.metadata import ChunkTransfer, KVHarborMetadata
 from kvharbor.connector.vllm.worker import WorkerSide
-from tests.support.fake_gateway import FakeGateway
+from tests.support.real_gateway import RealGateway
 from tests.support.stand_ins import LAYERS, layout
 
 NUM_BLOCKS = 16
@@ -23,14 +24,14 @@ def caches(seed: int | None) -> dict[str, torch.Tensor]:
     return dict(zip(LAYERS, storage.unbind(0), strict=True))
 
 
-def worker(gateway: FakeGateway, kv: dict[str, torch.Tensor]) -> WorkerSide:
-    config = load_config(environ={})
+def worker(gateway: RealGateway, kv: dict[str, torch.Tensor]) -> WorkerSide:
+    config = gateway.config
     switch = RankSwitch()
     side = WorkerSide(
         layout(),
         config,
-        CacheLink(config, "load", connect=gateway.connect, switch=switch),
-        CacheLink(config, "save", connect=gateway.connect, switch=switch),
+        CacheLink(config, "load", switch=switch),
+        CacheLink(config, "save", switch=switch),
         rank=0,
     )
     side.register(kv, NUM_BLOCKS)
@@ -41,12 +42,13 @@ def transfer(keys: list[bytes], blocks: list[int], skip: int = 0) -> ChunkTransf
     return ChunkTransfer(request_id="r", keys=[keys], block_ids=blocks, skip_blocks=skip)
 
 
-def saved(gateway: FakeGateway, source: dict[str, torch.Tensor]) -> None:
+def saved(gateway: RealGateway, source: dict[str, torch.Tensor]) -> None:
     """Chunks K0 (blocks 1, 2) and K1 (blocks 3, 4) of ``source``, saved and committed."""
+    puts = gateway.puts
     side = worker(gateway, source)
     side.save(KVHarborMetadata(saves=[transfer([K0, K1], [1, 2, 3, 4])]))
     side.close()  # Waits for the background commit.
-    assert gateway.puts == [K0, K1]
+    assert gateway.puts - puts == 2 and gateway.holds([K0, K1]) == 2  # K0 and K1, each once.
 
 
 def same_pages(
@@ -55,8 +57,8 @@ def same_pages(
     return all(torch.equal(a[n][torch.tensor(a_blocks)], b[n][torch.tensor(b_blocks)]) for n in LAYERS)
 
 
-def test_saved_chunks_load_into_other_blocks_of_a_new_worker() -> None:
-    gateway, source, target = FakeGateway(), caches(seed=1), caches(seed=None)
+def test_saved_chunks_load_into_other_blocks_of_a_new_worker(real_gateway: RealGateway) -> None:
+    gateway, source, target = real_gateway, caches(seed=1), caches(seed=None)
     saved(gateway, source)
     side = worker(gateway, target)
     side.load(KVHarborMetadata(loads=[transfer([K0, K1], [9, 5, 12, 7])]))
@@ -68,8 +70,8 @@ def test_saved_chunks_load_into_other_blocks_of_a_new_worker() -> None:
     assert stats["cache_off"] == 0
 
 
-def test_a_load_may_start_and_end_inside_a_chunk() -> None:
-    gateway, source, target = FakeGateway(), caches(seed=2), caches(seed=None)
+def test_a_load_may_start_and_end_inside_a_chunk(real_gateway: RealGateway) -> None:
+    gateway, source, target = real_gateway, caches(seed=2), caches(seed=None)
     saved(gateway, source)
     side = worker(gateway, target)
     # The engine's own cache holds chunk 0's first block; the bound stops before K1's last block.
@@ -80,8 +82,8 @@ def test_a_load_may_start_and_end_inside_a_chunk() -> None:
     assert side.take_load_errors() == set()
 
 
-def test_blocks_the_cache_cannot_deliver_are_reported_for_recompute() -> None:
-    gateway, source, target = FakeGateway(), caches(seed=3), caches(seed=None)
+def test_blocks_the_cache_cannot_deliver_are_reported_for_recompute(real_gateway: RealGateway) -> None:
+    gateway, source, target = real_gateway, caches(seed=3), caches(seed=None)
     saved(gateway, source)
     side = worker(gateway, target)
     side.load(KVHarborMetadata(loads=[transfer([K0, MISSING], [5, 6, 7, 8])]))
@@ -91,24 +93,40 @@ def test_blocks_the_cache_cannot_deliver_are_reported_for_recompute() -> None:
     assert side.take_stats()["load_errors"] == 2
 
 
-def test_a_value_of_another_size_is_never_copied_in() -> None:
-    gateway, target = FakeGateway(), caches(seed=None)
-    gateway.hold([K0], b"\x7f" * 1000)
+def test_a_value_of_another_size_is_never_copied_in(real_gateway: RealGateway) -> None:
+    gateway, target = real_gateway, caches(seed=None)
+    gateway.hold([K0], b"\x7f" * 1000, fingerprint=layout().digests[0])  # The worker's own fingerprint.
     side = worker(gateway, target)
     side.load(KVHarborMetadata(loads=[transfer([K0], [5, 6])]))
     assert side.take_load_errors() == {5, 6}
     assert all(not t.any() for t in target.values())
 
 
-def test_a_dead_gateway_fails_loads_not_the_step() -> None:
-    gateway, source, target = FakeGateway(), caches(seed=4), caches(seed=None)
+def test_a_dead_gateway_fails_loads_not_the_step(tmp_path: Path) -> None:
+    # A file tier keeps what was stored across the gateway's death, so what it holds can be read after.
+    tiers = [
+        {"name": "ram", "type": "ram", "capacity_gb": 0.25},
+        {"name": "disk", "type": "file", "path": str(tmp_path / "disk"), "capacity_gb": 0.25, "fsync": False},
+    ]
+    gateway, source, target = RealGateway(tmp_path / "gateway", tiers=tiers).start(), caches(seed=4), caches(seed=None)
+    try:
+        dead_gateway_fails_loads_not_the_step(gateway, source, target)
+    finally:
+        gateway.close()
+
+
+def dead_gateway_fails_loads_not_the_step(
+    gateway: RealGateway, source: dict[str, torch.Tensor], target: dict[str, torch.Tensor]
+) -> None:
     saved(gateway, source)
     side = worker(gateway, target)
-    gateway.failing = True
+    gateway.stop()
     side.load(KVHarborMetadata(loads=[transfer([K0, K1], [5, 6, 7, 8])]))
     side.save(KVHarborMetadata(saves=[transfer([MISSING], [1, 2])]))
     assert side.take_load_errors() == {5, 6, 7, 8}
     assert side.take_stats()["cache_off"] == 1
     assert side.take_stats()["cache_off"] == 1  # Every step from now on, not only the failing one.
     side.close()
-    assert MISSING not in gateway.values
+    gateway.start()  # The same storage, served again: the saves before the death are there, the one after is not.
+    assert gateway.holds([K0, K1]) == 2
+    assert gateway.holds([MISSING]) == 0

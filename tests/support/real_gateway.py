@@ -1,0 +1,119 @@
+"""A real gateway in the test's own process, for the connector tests.
+
+`RealGateway` runs `kvharbor.gateway.server.Gateway` (service mode, its own
+socket in a temporary directory, a unique shared-memory name, a small ring, a
+RAM tier) serving on a thread; connector links reach it through the real
+client, over the real socket and shared memory. Tests look inside it through
+another real client (`hold`, `holds`) or its `status()`, and make it fail for
+real with `stop()`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvharbor.config import Config, load_config
+from kvharbor.gateway.client import GatewayClient
+from kvharbor.gateway.server import Gateway
+from tests.gateway.gateway_harness import WAIT_S, remove_segments, write_config
+
+INSPECTOR = "inspector"
+
+
+class RealGateway:
+    def __init__(self, directory: Path, **gateway: Any) -> None:
+        settings: dict[str, Any] = {"ring_mb": 64, "ring_mb_min": 16}
+        settings.update(gateway)
+        self.config_path = write_config(directory, **settings)
+        self.config: Config = load_config(self.config_path, environ={})
+        self.server: Gateway | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- life cycle --------------------------------------------------------
+
+    def start(self) -> RealGateway:
+        """Start serving (again, after `stop`: a new gateway on the same socket and shm_name)."""
+        assert self.server is None, "already serving"
+        server = Gateway(self.config)
+        try:
+            server.start()
+        except BaseException:
+            server.stop()
+            raise
+        self.server = server
+        self._thread = threading.Thread(target=server.serve_forever, daemon=True, name="kvharbor-test-gateway")
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop it for real: the socket goes, every client connection is hung up."""
+        if self.server is None:
+            return
+        self.server.stop()
+        assert self._thread is not None
+        self._thread.join(WAIT_S)
+        assert not self._thread.is_alive(), "the gateway's accept loop did not end"
+        self.server, self._thread = None, None
+
+    @property
+    def serving(self) -> bool:
+        return self.server is not None
+
+    def close(self) -> None:
+        self.stop()
+        gw = self.config.gateway
+        remove_segments(Path(gw.shm_dir), gw.shm_name)
+
+    # -- clients -----------------------------------------------------------
+
+    def connect(self, config: Config, client_name: str) -> GatewayClient:
+        """A `CacheLink` connect function: a real client of this gateway, whatever ``config`` names."""
+        return GatewayClient.connect(self.config.gateway, client_name)
+
+    def client(self, name: str = INSPECTOR) -> GatewayClient:
+        return GatewayClient.connect(self.config.gateway, name)
+
+    def hold(self, keys: Sequence[bytes], value: bytes = b"\0", fingerprint: bytes = bytes(16)) -> int:
+        """Store ``value`` under each key through a real client; returns how many were stored
+        (a key already held stays as it is, and is not counted)."""
+        client = self.client()
+        try:
+            batch = client.prepare_put(fingerprint, [(bytes(k), len(value)) for k in keys])
+            for view in batch.views:
+                if view is not None:
+                    view[:] = value
+            return client.commit_put(batch)
+        finally:
+            client.close()
+
+    def holds(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` the gateway holds, asked through a real client (a LOOKUP)."""
+        client = self.client()
+        try:
+            return client.lookup([bytes(k) for k in keys])
+        finally:
+            client.close()
+
+    # -- what it saw -------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        assert self.server is not None, "not serving"
+        return self.server.status()
+
+    @property
+    def lookups(self) -> int:
+        """LOOKUP requests the gateway answered."""
+        return int(self.status()["store"]["hits"]["lookups"])
+
+    @property
+    def connects(self) -> int:
+        """Client connections the gateway accepted."""
+        return int(self.status()["counters"]["clients_total"])
+
+    @property
+    def puts(self) -> int:
+        """Values stored (every tier counts its own; this is the first tier's)."""
+        return int(self.status()["store"]["tiers"][0]["counters"].get("puts", 0))
