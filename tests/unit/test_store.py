@@ -287,7 +287,8 @@ def test_a_store_whose_only_tier_fails_answers_misses_without_raising() -> None:
     store.delete([key])
 
 
-def test_the_tier_comes_back_after_the_cooldown() -> None:
+def cooled_down_breaker() -> tuple[TieredStore, Tier, bytes, bytes]:
+    """A one-tier store whose breaker opened on failures and has just cooled down (half-open)."""
     clock = FakeClock()
     store, device = flaky_store(clock)
     flaky = store.tiers[0]
@@ -299,6 +300,11 @@ def test_the_tier_comes_back_after_the_cooldown() -> None:
     assert flaky.breaker.state is BreakerState.OPEN
     device.failing = False
     clock.now += BREAKER.cooldown_s
+    return store, flaky, key, value
+
+
+def test_the_tier_comes_back_after_the_cooldown() -> None:
+    store, flaky, key, value = cooled_down_breaker()
     hits = flaky.counters.hits
     assert read(store, key) == value  # The half-open trial, served by the flaky tier.
     assert flaky.counters.hits == hits + 1
@@ -306,16 +312,7 @@ def test_the_tier_comes_back_after_the_cooldown() -> None:
 
 
 def test_an_unstorable_write_does_not_wedge_a_half_open_breaker() -> None:
-    clock = FakeClock()
-    store, device = flaky_store(clock)
-    flaky = store.tiers[0]
-    key, value = new_key(), new_value()
-    store.put(key, FINGERPRINT, value)
-    device.failing = True
-    for _ in range(4):
-        store.get(key, FINGERPRINT)
-    device.failing = False
-    clock.now += BREAKER.cooldown_s
+    _, flaky, key, _ = cooled_down_breaker()
     # The trial is taken by a write too large for the tier; it never reaches the device.
     assert not flaky.write(new_key(), FINGERPRINT, os.urandom(200 * VALUE_BYTES))
     assert flaky.read(key, FINGERPRINT) is not None  # The next operation may still try.
