@@ -24,6 +24,8 @@ ENV_CONFIG = "KVHARBOR_CONFIG"
 ENV_OVERRIDE_PREFIX = "KVHARBOR__"
 GIB = 1 << 30
 MIB = 1 << 20
+UNIX_SOCKET_PATH_BYTES_MAX = 107
+"""sizeof(sockaddr_un.sun_path) - 1 on Linux: a longer socket path cannot be bound."""
 
 
 class ConfigError(ValueError):
@@ -289,6 +291,12 @@ def validate_config(data: Mapping[str, Any], source: str = "config") -> Config:
             f"invalid kvharbor config ({source}): gateway.progress_interval_ms "
             f"({config.gateway.progress_interval_ms} ms) must be below gateway.request_timeout_ms "
             f"({config.gateway.request_timeout_ms} ms)"
+        )
+    if len(config.gateway.socket.encode()) > UNIX_SOCKET_PATH_BYTES_MAX:
+        raise ConfigError(
+            f"invalid kvharbor config ({source}): gateway.socket: {config.gateway.socket!r} is "
+            f"{len(config.gateway.socket.encode())} bytes; a Unix socket path holds at most "
+            f"{UNIX_SOCKET_PATH_BYTES_MAX}: choose a shorter path"
         )
     if config.gateway.ring_mb < config.gateway.ring_mb_min:
         raise ConfigError(

@@ -64,14 +64,26 @@ class DemoResult:
         )
 
 
+def workdir_tag(workdir: Path) -> str:
+    """A short name per work directory: a run reuses, and so cleans up, what a killed run left."""
+    return hashlib.blake2b(str(workdir.resolve()).encode(), digest_size=4).hexdigest()
+
+
+def short_runtime_dir(workdir: Path) -> Path:
+    """Where the demo's sockets live: a Unix socket path holds at most 107 bytes, and a
+    work directory (or TMPDIR, where vLLM puts its ZMQ sockets) can be deeper than that."""
+    path = Path("/tmp") / f"kvh-demo-{workdir_tag(workdir)}"
+    (path / "tmp").mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def write_config(workdir: Path) -> Path:
     """The demo's own kvharbor config: its socket, shared memory and a file tier under ``workdir``."""
     document = {
         "gateway": {
             "mode": "embedded",
-            "socket": str(workdir / "run" / "gateway.sock"),
-            # One name per work directory: a run cleans up what a killed run left in /dev/shm.
-            "shm_name": f"kvharbor-demo-{hashlib.blake2b(str(workdir.resolve()).encode(), digest_size=4).hexdigest()}",
+            "socket": str(short_runtime_dir(workdir) / "gateway.sock"),
+            "shm_name": f"kvharbor-demo-{workdir_tag(workdir)}",
             "ring_mb": 256,
         },
         "storage": {"tiers": [{"name": "local", "type": "file", "path": str(workdir / "cache"), "capacity_gb": 8}]},
@@ -84,8 +96,7 @@ def write_config(workdir: Path) -> Path:
 
 def server_env(config: Path, workdir: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVHARBOR")}
-    tmp = workdir / "tmp"  # vLLM leaves ZMQ socket files in TMPDIR.
-    tmp.mkdir(parents=True, exist_ok=True)
+    tmp = short_runtime_dir(workdir) / "tmp"
     env.update(KVHARBOR="1", KVHARBOR_CONFIG=str(config), HF_HUB_OFFLINE="1", TMPDIR=str(tmp))
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     return env

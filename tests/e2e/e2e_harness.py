@@ -14,9 +14,11 @@ import json
 import os
 import random
 import select
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,10 +92,13 @@ class Lab:
     shm_name: str = field(default_factory=lambda: f"kvh-e2e-{uuid.uuid4().hex[:10]}")
 
     def __post_init__(self) -> None:
-        self.tmp = self.root / "tmp"
-        self.tmp.mkdir(parents=True, exist_ok=True)
+        # Sockets (the gateway's, and vLLM's ZMQ ones in TMPDIR) get a short directory
+        # of their own: a Unix socket path holds 107 bytes, and pytest's tmp_path can be deeper.
+        self.runtime = Path(tempfile.mkdtemp(prefix="kvh-e2e-", dir="/tmp"))
+        self.tmp = self.runtime / "tmp"
+        self.tmp.mkdir()
         self.cache = self.root / "cache"
-        self.socket = self.root / "run" / "gw.sock"
+        self.socket = self.runtime / "gw.sock"
         self.config_path = self.write_config()
         self._runs = 0
         self._services: list[subprocess.Popen[bytes]] = []
@@ -181,6 +186,7 @@ class Lab:
             process.wait(READY_TIMEOUT_S)
         for segment in Path("/dev/shm").glob(f"{self.shm_name}*"):
             segment.unlink(missing_ok=True)
+        shutil.rmtree(self.runtime, ignore_errors=True)
 
 
 def start_server(lab: Lab) -> VllmServer:

@@ -157,3 +157,8 @@ def test_a_config_error_is_a_value_error() -> None:
 
 def test_config_and_hal_registry_know_the_same_tier_types() -> None:
     assert sorted(TIER_TYPES) == device_types()
+
+
+def test_a_socket_path_too_long_to_bind_is_refused_naming_the_key() -> None:
+    with pytest.raises(ConfigError, match=r"gateway\.socket: .* a Unix socket path holds at most 107"):
+        validate_config({"gateway": {"socket": "/tmp/" + "d" * 120 + "/gw.sock"}})

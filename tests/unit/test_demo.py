@@ -7,18 +7,20 @@ from pathlib import Path
 import pytest
 
 from kvharbor.cli import main
-from kvharbor.config import load_config
+from kvharbor.config import UNIX_SOCKET_PATH_BYTES_MAX, load_config
 from kvharbor.demo.run import DemoResult, write_config
 
 
-def test_the_demo_config_keeps_everything_under_its_workdir(tmp_path: Path) -> None:
-    config = load_config(write_config(tmp_path), environ={})
+def test_the_demo_config_keeps_its_data_under_its_workdir_and_its_socket_short(tmp_path: Path) -> None:
+    deep = tmp_path / ("d" * 100)  # Deeper than a Unix socket path may be.
+    config = load_config(write_config(deep), environ={})
     assert config.gateway.mode == "embedded"
-    assert Path(config.gateway.socket).is_relative_to(tmp_path)
+    assert len(config.gateway.socket.encode()) <= UNIX_SOCKET_PATH_BYTES_MAX
     [tier] = config.storage.tiers
-    assert tier.type == "file" and Path(tier.path) == tmp_path / "cache"  # type: ignore[attr-defined]
+    assert tier.type == "file" and Path(tier.path) == deep / "cache"  # type: ignore[attr-defined]
     other = load_config(write_config(tmp_path / "b"), environ={})
     assert other.gateway.shm_name != config.gateway.shm_name  # Two demos never share a segment.
+    assert other.gateway.socket != config.gateway.socket
 
 
 def test_the_summary_gives_tokens_and_the_gain() -> None:
