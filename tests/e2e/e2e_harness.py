@@ -27,6 +27,7 @@ from typing import Any
 import yaml
 
 from kvharbor.demo.server import VllmServer
+from kvharbor.hal.file import FileDevice
 
 DRIVER = Path(__file__).with_name("driver.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -174,6 +175,14 @@ class Lab:
             os.close(read_end)
         assert answer == b"ready\n", f"gateway did not become ready: {self.gateway_log()}"
         return process
+
+    def stored_objects(self) -> int:
+        """Objects in the file tier, counted on disk once the engines that wrote them are gone.
+
+        The engine's ``stored_chunks`` counter only reports commits that finished before
+        its last step; the last save commits behind the engine.
+        """
+        return sum(1 for _ in FileDevice("local", str(self.cache), 64 << 20).scan())
 
     def gateway_log(self) -> str:
         path = self.root / "gateway.log"

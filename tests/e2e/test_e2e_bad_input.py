@@ -37,7 +37,7 @@ def test_short_prompts_and_unsalted_requests_are_counted_skips(lab: Lab) -> None
     metrics = first.metrics()
     assert metrics["vllm:kvharbor_unsalted_skipped"] == 1
     assert metrics["vllm:kvharbor_short_prompts"] == 1
-    assert metrics["vllm:kvharbor_stored_chunks"] == len(LONG) // 256  # the salted copy only
+    assert lab.stored_objects() == len(LONG) // 256  # the salted copy only
 
     restarted = lab.run({"rounds": rounds}, env).ok()
     assert [r["external_hits"] for r in restarted.rounds()] == [0, bound(len(LONG)), 0]
