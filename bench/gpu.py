@@ -249,24 +249,25 @@ def bench_raw(args: argparse.Namespace) -> None:
 # -- (a') through the gateway and its RAM tier ----------------------------------------
 
 
+def kvharbor_sections(socket_dir: Path, shm_prefix: str, tiers: list[dict[str, Any]], ring_mb: int) -> dict[str, Any]:
+    """The kvharbor config every part of this bench runs with (its own socket and segment)."""
+    return {
+        "engine": {"chunk_size": CHUNK},
+        "gateway": {
+            "socket": str(socket_dir / "gw.sock"),
+            "shm_name": f"{shm_prefix}-{os.getpid()}",
+            "ring_mb": ring_mb,
+            "request_timeout_ms": 30000,
+            "ring_wait_ms": 5000,
+        },
+        "storage": {"tiers": tiers, "probe": False, "value_mb_max": 64},
+    }
+
+
 def gateway_config(socket_dir: Path, tiers: list[dict[str, Any]], ring_mb: int) -> Any:
     from kvharbor.config import load_config
 
-    return load_config(
-        None,
-        {},
-        overrides={
-            "engine": {"chunk_size": CHUNK},
-            "gateway": {
-                "socket": str(socket_dir / "gw.sock"),
-                "shm_name": f"kvh-bench-{os.getpid()}",
-                "ring_mb": ring_mb,
-                "request_timeout_ms": 30000,
-                "ring_wait_ms": 5000,
-            },
-            "storage": {"tiers": tiers, "probe": False, "value_mb_max": 64},
-        },
-    )
+    return load_config(None, {}, overrides=kvharbor_sections(socket_dir, "kvh-bench", tiers, ring_mb))
 
 
 def bench_gateway(args: argparse.Namespace) -> None:
@@ -406,17 +407,7 @@ def kvharbor_transfer(work: Path, tiers: list[dict[str, Any]], ring_mb: int) -> 
         "kv_connector_module_path": "kvharbor.connector.vllm.connector",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {
-            "engine": {"chunk_size": CHUNK},
-            "gateway": {
-                "socket": str(work / "gw.sock"),
-                "shm_name": f"kvh-e2e-{os.getpid()}",
-                "ring_mb": ring_mb,
-                "request_timeout_ms": 30000,
-                "ring_wait_ms": 5000,
-            },
-            "storage": {"tiers": tiers, "probe": False, "value_mb_max": 64},
-        },
+        "kv_connector_extra_config": kvharbor_sections(work, "kvh-e2e", tiers, ring_mb),
     }
 
 
