@@ -42,7 +42,7 @@ import xxhash
 import zstandard
 
 from kvharbor.cache.keys import FORMAT_VERSION, KEY_BYTES, ChunkKey, check_key, fragment_key
-from kvharbor.hal.base import Buffer
+from kvharbor.hal.base import STREAM_SLICE_BYTES, Buffer
 
 MAGIC = b"KVHO"
 _HEADER = struct.Struct("<4sHBB16s16sIIQQQQ8xQ")
@@ -119,6 +119,19 @@ def checksum(data: Buffer) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
+def copy_with_checksum(source: Buffer, into: memoryview, slice_bytes: int = STREAM_SLICE_BYTES) -> int:
+    """Copy ``source`` into ``into`` and return its `checksum`, hashing each slice just
+    copied while it is still in the CPU cache: one pass over memory, not two."""
+    data = memoryview(source).cast("B")
+    assert into.nbytes == data.nbytes, (into.nbytes, data.nbytes)
+    hasher = xxhash.xxh3_64()
+    for start in range(0, data.nbytes, slice_bytes):
+        target = into[start : start + slice_bytes]
+        target[:] = data[start : start + slice_bytes]
+        hasher.update(target)
+    return hasher.intdigest()
+
+
 class PayloadChecksum:
     """`checksum` of an object's payload, fed the whole object's bytes in order.
 
@@ -180,11 +193,15 @@ def encode(
     value: Buffer,
     codec: Codec = Codec.NONE,
     max_object_bytes: int | None = None,
+    value_checksum: int | None = None,
 ) -> list[EncodedPart]:
     """The device writes that store ``value``; payloads are views, not copies (codec none).
 
     ``max_object_bytes`` is the device's largest value (header included); a
-    value that does not fit is split into fragments.
+    value that does not fit is split into fragments. ``value_checksum`` is
+    `checksum` of ``value`` when the caller has it already (its writer took it
+    while the bytes were in its cache); it is used when the value is stored as
+    it is, in one part.
     """
     check_key(key)
     check_key(fingerprint)
@@ -196,6 +213,7 @@ def encode(
     count = max(1, -(-stored.nbytes // payload_max))
     if count > FRAGMENTS_MAX:
         raise ValueError(f"a value of {stored.nbytes} bytes needs {count} fragments (max {FRAGMENTS_MAX})")
+    known = value_checksum if codec is Codec.NONE and count == 1 else None  # Payload == value.
     parts = []
     for index in range(count):
         payload = stored[index * payload_max : (index + 1) * payload_max]
@@ -209,7 +227,7 @@ def encode(
             raw_length=raw.nbytes,
             stored_length=stored.nbytes,
             payload_length=payload.nbytes,
-            payload_checksum=checksum(payload),
+            payload_checksum=checksum(payload) if known is None else known,
         )
         device_key = ChunkKey(bytes(key)) if index == 0 else fragment_key(key, index)
         parts.append(EncodedPart(device_key, header.pack(), payload))

@@ -8,6 +8,9 @@ Contracts:
 - `get` searches tiers top-down and promotes a hit into the tiers above it.
 - `put` writes the first tier, and then either every lower tier now
   (write-through) or each lower tier when the one above evicts (write-back).
+  `reserve` and `complete` are a put in two phases whose value is written by
+  the caller straight into its place in the first tier (a shared-memory tier):
+  no copy of it is made to store it there.
 - Nothing here raises for a storage fault: a fault is a miss, counted and
   logged once by the tier; a corrupt object is a miss and is dropped.
 """
@@ -15,14 +18,14 @@ Contracts:
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Literal
 
 from kvharbor.cache.accounting import HitAccounting
 from kvharbor.cache.index import Entry
-from kvharbor.cache.tier import BufferSource, SharedHit, Tier, TierStatus, new_buffer
+from kvharbor.cache.tier import BufferSource, Reservation, SharedHit, Tier, TierStatus, new_buffer
 from kvharbor.hal.base import Buffer
 
 WritePolicy = Literal["write_through", "write_back"]
@@ -105,6 +108,34 @@ class TieredStore:
             stored |= self._write_tier(tier, key, fingerprint, value, pinned)
         return stored
 
+    def reserve(
+        self, key: bytes, fingerprint: bytes, nbytes: int, pinned: frozenset[bytes] = frozenset()
+    ) -> Reservation | None:
+        """Room to write ``key``'s value of ``nbytes`` in place in the first tier, or None:
+        then store it with `put` (see `Tier.reserve` for why there may be none)."""
+        return self.tiers[0].reserve(key, fingerprint, nbytes, pinned) if self.tiers else None
+
+    def complete(
+        self, reservation: Reservation, pinned: frozenset[bytes] = frozenset(), value_checksum: int | None = None
+    ) -> bool:
+        """Store a filled reservation (see `put` for ``pinned``, `Tier.complete` for
+        ``value_checksum``); True if a tier took it.
+
+        Write-through copies go first, while the reservation is still invisible to
+        everyone else: once the first tier has it, another writer's admission
+        could evict it and hand its room to a new value mid-copy.
+        """
+        first = self.tiers[0]
+        assert reservation.tier is first
+        stored = False
+        if self.write_policy == "write_through":
+            for tier in self.tiers[1:]:
+                stored |= self._write_tier(tier, reservation.key, reservation.fingerprint, reservation.payload, pinned)
+        return first.complete(reservation, pinned, self._on_evict(first), value_checksum) or stored
+
+    def abandon(self, reservation: Reservation) -> None:
+        reservation.tier.abandon(reservation)
+
     def touch(self, keys: Sequence[bytes]) -> None:
         """Mark ``keys`` used, the last most recently, in every tier that holds them.
 
@@ -147,8 +178,13 @@ class TieredStore:
         value: Buffer,
         pinned: frozenset[bytes] = frozenset(),
     ) -> bool:
-        on_evict = partial(self._demote, tier) if self.write_policy == "write_back" else None
-        return tier.write(key, fingerprint, value, pinned if key in pinned else pinned | {bytes(key)}, on_evict)
+        return tier.write(
+            key, fingerprint, value, pinned if key in pinned else pinned | {bytes(key)}, self._on_evict(tier)
+        )
+
+    def _on_evict(self, tier: Tier) -> Callable[[Sequence[Entry]], None] | None:
+        """Write-back demotes what ``tier`` evicts; write-through has it below already."""
+        return partial(self._demote, tier) if self.write_policy == "write_back" else None
 
     def _demote(self, tier: Tier, victims: Sequence[Entry]) -> None:
         """Write-back: move what ``tier`` evicts into the tier below it, if any."""

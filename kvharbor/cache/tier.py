@@ -36,12 +36,16 @@ from kvharbor.hal.base import (
     DeviceCorrupt,
     DeviceError,
     DeviceFull,
+    InPlaceWrites,
     SharedSpan,
     SharedSpans,
 )
 from kvharbor.telemetry.log import OnceLog, get_logger
 
 _log = get_logger("kvharbor.cache.tier")
+
+LRU_SCAN_ENTRIES_MAX = 4096
+"""Entries looked at, least recent first, to free room for one value written in place."""
 
 BufferSource = Callable[[int], memoryview]
 """Hands out a writable buffer of exactly the asked size for a read to land in."""
@@ -84,6 +88,24 @@ class SharedHit:
 
     def release(self) -> None:
         self.device.unpin(self.span)
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """Room for one value in its final place on an `InPlaceWrites` tier: the writer
+    fills ``payload``; `Tier.complete` then stores it, or `Tier.abandon` gives it back."""
+
+    tier: Tier
+    key: bytes
+    fingerprint: bytes
+    span: SharedSpan
+    payload: memoryview
+    """The value's bytes: the span less the header room before them."""
+
+    @property
+    def payload_offset(self) -> int:
+        """Where ``payload`` starts in the shared segment."""
+        return self.span.offset + HEADER_BYTES
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,6 +311,83 @@ class Tier:
         self._count(puts=1, put_bytes=entry.nbytes)
         return True
 
+    def reserve(self, key: bytes, fingerprint: bytes, nbytes: int, pinned: frozenset[bytes]) -> Reservation | None:
+        """Room to write a value of ``nbytes`` where this tier will keep it, or None:
+        the device cannot take writes in place, the value would be encoded
+        (compressed, fragmented), the breaker is open, or no room came free by
+        evicting least recently used values (never ``pinned`` ones).
+        """
+        device, total = self.device, HEADER_BYTES + nbytes
+        if not isinstance(device, InPlaceWrites) or self.codec is not Codec.NONE:
+            return None
+        if total > device.max_value_bytes or total > self.capacity_bytes or not self._allow():
+            return None
+        span = device.reserve(total)
+        if span is None:
+            # The device holds about the tier budget: room for a value in flight
+            # comes from the values least recently used, as it would at admission.
+            try:
+                self.drop(self._least_recent(total, pinned))
+            except DeviceError as err:
+                self._index_fault(err)
+                return None
+            span = device.reserve(total)
+            if span is None:
+                self.breaker.cancel()  # Nothing was tried on the device: no outcome to judge.
+                return None
+        assert span.length == total, (span.length, total)
+        return Reservation(self, bytes(key), bytes(fingerprint), span, device.view(span)[HEADER_BYTES:])
+
+    def complete(
+        self,
+        reservation: Reservation,
+        pinned: frozenset[bytes] = frozenset(),
+        on_evict: Callable[[Sequence[Entry]], None] | None = None,
+        value_checksum: int | None = None,
+    ) -> bool:
+        """Store a filled reservation under its key; True if stored. Whatever the
+        outcome, the reservation is used up (adopted or given back).
+
+        ``value_checksum`` is the writer's checksum of what it wrote, taken while
+        it copied; without one it is taken here, over the bytes where they stay.
+        Either way the writer has given up its write access to them by now (see
+        `SharedRamDevice`), and a full read verifies the bytes against it.
+        """
+        device = self.device
+        assert reservation.tier is self and isinstance(device, InPlaceWrites)
+        key, fingerprint, span = reservation.key, reservation.fingerprint, reservation.span
+        (part,) = encode(key, fingerprint, reservation.payload, Codec.NONE, device.max_value_bytes, value_checksum)
+        entry = Entry(key, part.nbytes, 1)
+        assert entry.nbytes == span.length, (entry.nbytes, span.length)
+        try:
+            victims = self.index.admit(entry, self.capacity_bytes, pinned | {key})
+        except DeviceError as err:
+            device.abandon(span)
+            self._index_fault(err)
+            return False
+        except OverBudget as err:
+            device.abandon(span)
+            self.breaker.cancel()
+            self._once.say(f"unstorable:{self.name}", f"tier '{self.name}': {err}; not stored")
+            return False
+        if victims:
+            if on_evict is not None:
+                on_evict(victims)
+            self.drop(victims)
+        device.view(span)[:HEADER_BYTES] = part.header
+        device.adopt(key, span)
+        self._once.clear(f"full:{self.name}")
+        self._ok()
+        self._count(puts=1, put_bytes=entry.nbytes)
+        return True
+
+    def abandon(self, reservation: Reservation) -> None:
+        """Give back a reservation that will not be completed."""
+        device = self.device
+        assert reservation.tier is self and isinstance(device, InPlaceWrites)
+        device.abandon(reservation.span)
+        self.breaker.cancel()  # A half-open breaker's trial that never reached an outcome.
+
     def drop(self, victims: Sequence[Entry]) -> None:
         """Delete the bytes of entries the index already let go."""
         for victim in victims:
@@ -366,6 +465,20 @@ class Tier:
             return True
         self._count(skipped=1)
         return False
+
+    def _least_recent(self, nbytes: int, pinned: frozenset[bytes]) -> list[Entry]:
+        """Take least recently used entries worth at least ``nbytes`` out of the index
+        (never ``pinned`` ones); the caller drops their bytes."""
+        victims: list[Entry] = []
+        freed = 0
+        for candidate in self.index.lru(LRU_SCAN_ENTRIES_MAX):
+            if freed >= nbytes:
+                break
+            if candidate.key not in pinned:
+                victims.append(candidate)
+                freed += candidate.nbytes
+        self.index.remove([victim.key for victim in victims])
+        return victims
 
     def _forget(self, entry: Entry) -> None:
         self._remove_from_index([entry.key])

@@ -32,6 +32,7 @@ from typing import ClassVar
 from kvharbor.config import Config
 from kvharbor.gateway import embedded
 from kvharbor.gateway.client import GatewayClient, GatewayError, GatewayRefused, GetBatch
+from kvharbor.gateway.shm import Segment
 from kvharbor.telemetry.log import PREFIX, OnceLog, get_logger
 
 _log = get_logger("kvharbor.connector")
@@ -219,11 +220,11 @@ class CacheLink:
         self.counters.loaded_chunks += done
         return done
 
-    def shared_memory(self) -> tuple[memoryview, int] | None:
-        """This link's mapping of the gateway's shared memory and how many of its first
-        bytes are writable (connecting if need be); None while the cache is off."""
+    def shared_memory(self) -> Segment | None:
+        """This link's mapping of the gateway's shared memory (connecting if need be);
+        None while the cache is off."""
         client = self._get_client()
-        return None if client is None else (client.segment.view, client.hello.ring_bytes)
+        return None if client is None else client.segment
 
     def store(
         self,

@@ -4,7 +4,9 @@ Transfers are two-phase, so KV bytes are copied exactly once on each side of
 the shared memory:
 
 - put: `prepare_put` reserves room and returns writable views; the caller
-  copies its values into them; `commit_put` stores them.
+  copies its values into them; `commit_put` stores them. The room may be the
+  value's final place in a RAM tier, in the part of the segment this client
+  maps read-only: it is writable from `prepare_put` to `commit_put` only.
 - get: `get` returns read views of the leading hits; the caller copies them
   out; `release` gives the room back.
 
@@ -38,15 +40,17 @@ import socket
 import struct
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 from kvharbor import __version__
+from kvharbor.cache.format import copy_with_checksum
 from kvharbor.config import GatewaySection
 from kvharbor.gateway import protocol as p
 from kvharbor.gateway.shm import Segment, ShmUnavailable
 from kvharbor.gateway.wire import FrameReader, PeerClosed, send_message
+from kvharbor.hal.base import Buffer
 
 _Reply = TypeVar("_Reply", bound=p.Message)
 _TIMEVAL = struct.Struct("@ll")
@@ -93,6 +97,28 @@ class PutBatch:
     batch: int
     views: list[memoryview | None]
     """Where to copy each value; None: skip it (already stored, or no room)."""
+    in_place: list[tuple[int, int]]
+    """(offset, length) of the views that lie in a RAM tier, writable until the commit."""
+    checksums: list[int | None] = field(default_factory=list)
+    """Per view, the checksum of what `write` copied into it."""
+
+    def write(self, index: int, value: Buffer) -> None:
+        """Copy ``value`` into view ``index`` and keep its checksum, taken during the
+        copy, for the commit: the gateway then need not read the value again.
+        Filling a view any other way is fine too; the gateway takes the checksums
+        itself unless every view was filled with `write`."""
+        view = self.views[index]
+        assert view is not None, f"value {index} is skipped: nothing to write"
+        if not self.checksums:
+            self.checksums.extend([None] * len(self.views))
+        self.checksums[index] = copy_with_checksum(value, view)
+
+    def commit_checksums(self) -> list[int]:
+        """The checksums to send with the commit: one per view, or none at all."""
+        if not self.checksums:
+            return []
+        taken = [c for c, view in zip(self.checksums, self.views, strict=True) if view is not None]
+        return [c for c in taken if c is not None] if None not in taken else []
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,12 +213,25 @@ class GatewayClient:
         if len(ready.offsets) != len(items):
             raise self._fail(f"PUT_READY has {len(ready.offsets)} offsets for {len(items)} values")
         views: list[memoryview | None] = []
+        in_place = []
         for offset, (_, size) in zip(ready.offsets, items, strict=True):
-            views.append(None if offset == p.SKIP else self._span(offset, size, self.hello.ring_bytes))
-        return PutBatch(ready.batch, views)
+            if offset == p.SKIP:
+                views.append(None)
+                continue
+            views.append(self._span(offset, size))
+            if offset + size > self.segment.read_only_from:
+                if offset < self.segment.read_only_from:
+                    raise self._fail(f"put span {offset}+{size} straddles the ring's end")
+                in_place.append((offset, size))
+        if in_place:
+            self._protect(in_place, writable=True)
+        return PutBatch(ready.batch, views, in_place)
 
     def commit_put(self, batch: PutBatch) -> int:
-        return self._call(p.PutCommit(batch.batch), p.PutDone).stored
+        if batch.in_place:
+            # Before the gateway checksums them where they stay: from now on only it writes there.
+            self._protect(batch.in_place, writable=False)
+        return self._call(p.PutCommit(batch.batch, batch.commit_checksums()), p.PutDone).stored
 
     def get(self, fingerprint: bytes, keys: Sequence[bytes]) -> GetBatch:
         ready = self._call(p.Get(fingerprint, list(keys)), p.GetReady)
@@ -216,12 +255,17 @@ class GatewayClient:
 
     # -- internals -----------------------------------------------------------
 
-    def _span(self, offset: int, size: int, limit: int | None = None) -> memoryview:
-        """The segment's bytes at ``offset``; put spans must lie in the writable ring."""
-        end = self.segment.size if limit is None else limit
-        if offset + size > end:
-            raise self._fail(f"span {offset}+{size} lies outside the {end} bytes it must be in")
+    def _span(self, offset: int, size: int) -> memoryview:
+        """The segment's bytes at ``offset``."""
+        if offset + size > self.segment.size:
+            raise self._fail(f"span {offset}+{size} lies outside the {self.segment.size}-byte segment")
         return self.segment.view[offset : offset + size]
+
+    def _protect(self, spans: list[tuple[int, int]], writable: bool) -> None:
+        try:
+            self.segment.set_writable(spans, writable)
+        except ShmUnavailable as err:
+            raise self._fail(str(err)) from None
 
     def _fail(self, reason: str) -> GatewayUnavailable:
         """Mark the client down for good (the restart rule) and return the error to raise."""

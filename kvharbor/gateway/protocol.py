@@ -23,8 +23,9 @@ from typing import Any, ClassVar, NamedTuple
 
 from kvharbor.cache.keys import KEY_BYTES
 
-PROTOCOL_VERSION = 3
-"""Bumped on any change to frames or message bodies. 2: PROGRESS."""
+PROTOCOL_VERSION = 4
+"""Bumped on any change to frames or message bodies. 2: PROGRESS. 4: PUT_COMMIT carries
+the writer's payload checksums."""
 
 FRAME = struct.Struct("<IHHQ")
 FRAME_BYTES = FRAME.size
@@ -379,8 +380,25 @@ class BatchRef(Message):
 
 
 @dataclass(frozen=True, slots=True)
-class PutCommit(BatchRef):
+class PutCommit(Message):
     TYPE: ClassVar[MessageType] = MessageType.PUT_COMMIT
+    batch: int
+    checksums: list[int] = field(default_factory=list)
+    """The xxh3-64 of each value written, in the batch's order (SKIPs left out), taken
+    by the writer while the bytes were in its cache; empty: the gateway takes them."""
+
+    def body(self) -> bytes:
+        return (
+            _U64.pack(self.batch)
+            + _U32.pack(len(self.checksums))
+            + b"".join(_U64.pack(c) for c in self.checksums)
+        )
+
+    @classmethod
+    def parse(cls, reader: _Reader) -> PutCommit:
+        batch = reader.unpack(_U64)[0]
+        n = reader.count()
+        return cls(batch, [reader.unpack(_U64)[0] for _ in range(n)])
 
 
 @dataclass(frozen=True, slots=True)

@@ -306,6 +306,7 @@ class Gateway:
                 "ring_bytes": self.ring_bytes,
                 "free_bytes": self.transfers.ring.free_bytes,
                 "pinned": self.transfers.pinned,
+                "in_place_bytes": self.transfers.reserved_bytes,
             },
             "clients": len(connections),
             "transfers_open": sum(len(c.batches) for c in connections),
@@ -390,10 +391,10 @@ class Gateway:
                 batch_id, batch, offsets = transfers.prepare_put(message, progress)
                 batches[batch_id] = batch
                 return p.PutReady(batch_id, offsets)
-            case p.PutCommit(batch=batch_id):
+            case p.PutCommit(batch=batch_id, checksums=checksums):
                 batch = self._pop_batch(batches, batch_id, "put")
                 try:
-                    return p.PutDone(transfers.commit_put(batch, progress))
+                    return p.PutDone(transfers.commit_put(batch, checksums, progress))
                 finally:
                     transfers.free(batch)
             case p.Get(fingerprint=fingerprint, keys=keys):

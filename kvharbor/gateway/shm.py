@@ -15,7 +15,7 @@ import ctypes
 import mmap
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +24,7 @@ from kvharbor.hal.extents import PAGE_BYTES
 from kvharbor.telemetry.log import get_logger
 
 _log = get_logger("kvharbor.gateway.shm")
+_libc = ctypes.CDLL(None, use_errno=True)
 
 SHM_DIR = Path("/dev/shm")
 SHARE_HINT = (
@@ -109,12 +110,18 @@ def segment_path(directory: Path, shm_name: str, pid: int) -> Path:
 
 
 class Segment:
-    """A mapped shared-memory file; ``view`` is the whole of it as bytes."""
+    """A mapped shared-memory file; ``view`` is the whole of it as bytes.
+
+    A client's mapping is read-only from ``read_only_from`` on (the RAM tiers),
+    except for the spans it has been lent to write values in place, each for
+    the time between the gateway lending it and the client committing it.
+    """
 
     def __init__(self, path: Path, fd: int, size: int, owner: bool) -> None:
         self.path = path
         self.size = size
         self.owner = owner
+        self.read_only_from = size
         try:
             # Populated at map time: otherwise every first touch of a page (each
             # restore after a restart) pays a page fault in the middle of a copy.
@@ -155,8 +162,41 @@ class Segment:
         segment = cls(path, fd, size, owner=False)
         if writable_bytes is not None and writable_bytes < size:
             assert writable_bytes % PAGE_BYTES == 0, writable_bytes
-            _protect_read_only(segment.view[writable_bytes:])
+            segment.read_only_from = writable_bytes
+            segment.set_writable([(writable_bytes, size - writable_bytes)], False)
         return segment
+
+    def make_writable(self) -> None:
+        """Make the whole mapping writable for good: for a GPU that writes values in
+        place by DMA. CUDA pins pages for writing only in a writable mapping, and
+        the CPU's page protection would not stop a DMA anyway, so keeping it (and
+        opening and closing each lent span) would only cost time."""
+        if self.read_only_from < self.size:
+            self.set_writable([(self.read_only_from, self.size - self.read_only_from)], True)
+            self.read_only_from = self.size
+
+    def set_writable(self, spans: Sequence[tuple[int, int]], writable: bool) -> None:
+        """Make the pages under ``spans`` ((offset, length) pairs) writable or read-only
+        in this mapping; overlapping and adjacent pages change in one system call.
+        Raises `ShmUnavailable` with the kernel's reason (e.g. too many mappings)."""
+        pages = sorted(
+            (offset // PAGE_BYTES * PAGE_BYTES, -(-(offset + length) // PAGE_BYTES) * PAGE_BYTES)
+            for offset, length in spans
+        )
+        runs: list[list[int]] = []
+        for start, end in pages:
+            assert 0 <= start < end <= self.size, (start, end, self.size)
+            if runs and start <= runs[-1][1]:
+                runs[-1][1] = max(runs[-1][1], end)
+            else:
+                runs.append([start, end])
+        base = ctypes.addressof(ctypes.c_char.from_buffer(self.view))
+        protection = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        for start, end in runs:
+            if _libc.mprotect(ctypes.c_void_p(base + start), ctypes.c_size_t(end - start), protection) != 0:
+                errno = ctypes.get_errno()
+                state = "writable" if writable else "read-only"
+                raise ShmUnavailable(f"cannot make {end - start} bytes of {self.path} {state}: {os.strerror(errno)}")
 
     def close(self) -> None:
         self.view.release()
@@ -165,14 +205,6 @@ class Segment:
             self.map.close()
         if self.owner:
             self.path.unlink(missing_ok=True)
-
-
-def _protect_read_only(view: memoryview) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    address = ctypes.addressof(ctypes.c_char.from_buffer(view))
-    if libc.mprotect(ctypes.c_void_p(address), ctypes.c_size_t(view.nbytes), mmap.PROT_READ) != 0:
-        errno = ctypes.get_errno()
-        raise ShmUnavailable(f"cannot make the RAM tier mapping read-only: {os.strerror(errno)}")
 
 
 # -- stale segments ----------------------------------------------------------

@@ -1,11 +1,18 @@
 """Transfers: values moved between the shared-memory segment and the store, in batches.
 
-A put batch lends the client one extent per value it must copy in (values
-already stored, or with no room by the request's deadline, get `SKIP`); its
-commit stores them from the segment, in place, and gives the room back. A get
-batch reads the leading hits into extents the client copies out of; its
-release gives the room back. A batch belongs to one connection: the gateway
-frees what a connection still holds when it closes.
+A put batch lends the client one place per value it must copy in (values
+already stored, or with no room by the request's deadline, get `SKIP`). When
+the first tier lives in the segment, that place is the value's final one (a
+`Reservation`): the client writes it there and the commit only checksums it,
+so a value crosses memory once on its way in. Otherwise it is an extent of
+the ring, which the commit stores from and frees. A get batch names the
+leading hits in place or reads them into ring extents the client copies out
+of; its release gives the room back. A batch belongs to one connection: the
+gateway frees what a connection still holds when it closes.
+
+The ring's size bounds the bytes in flight either way: reservations count
+against it, so a client that prepares and never commits cannot make the
+first tier evict more than a ring's worth of stored values.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvharbor.cache.store import TieredStore
-from kvharbor.cache.tier import SharedHit
+from kvharbor.cache.tier import Reservation, SharedHit
 from kvharbor.config import MIB, Config
 from kvharbor.gateway import protocol as p
 from kvharbor.gateway.shm import Segment
@@ -43,7 +50,9 @@ class Batch:
     shared: list[SharedHit] = field(default_factory=list)
     """get: values served in place from a shared-memory RAM tier, pinned until release."""
     items: list[tuple[bytes, int, int]] = field(default_factory=list)
-    """put: (key, offset, length) of each value to store."""
+    """put: (key, offset, length) of each value to store from a ring extent."""
+    reservations: list[Reservation] = field(default_factory=list)
+    """put: values the client writes in their place in the first tier."""
     fingerprint: bytes = b""
 
 
@@ -61,6 +70,8 @@ class Transfers:
         self._batch_lock = threading.Lock()
         self.pinned = 0
         """RAM-tier values clients are reading in place right now."""
+        self.reserved_bytes = 0
+        """Bytes of values clients are writing in place right now (at most the ring's size)."""
 
     # -- puts ----------------------------------------------------------------
 
@@ -74,18 +85,18 @@ class Transfers:
                 )
         batch = Batch("put", fingerprint=message.fingerprint)
         deadline = self._deadline()
-        present = self.store.contains([key for key, _ in message.items])
+        keys = [key for key, _ in message.items]
+        present = self.store.contains(keys)
+        pinned = frozenset(keys)  # Room for the batch is never made by evicting its own chunks.
         offsets = []
         no_room = 0
         try:
             for (key, size), stored in zip(message.items, present, strict=True):
-                offset = None if stored else self.ring.allocate(size, deadline)
+                offset = None if stored else self._place_put(batch, key, size, pinned, deadline)
                 if offset is None:
                     no_room += not stored
                     offsets.append(p.SKIP)
                     continue
-                batch.extents.append(offset)
-                batch.items.append((key, offset, size))
                 offsets.append(offset)
                 progress(len(offsets))
         except BaseException:
@@ -96,22 +107,60 @@ class Transfers:
         assert len(offsets) == len(message.items)
         return self._new_batch_id(), batch, offsets
 
-    def commit_put(self, batch: Batch, progress: Progress) -> int:
+    def _place_put(self, batch: Batch, key: bytes, size: int, pinned: frozenset[bytes], deadline: float) -> int | None:
+        """Where the client writes ``key``'s value: in place in the first tier when it
+        can take it there within the in-flight budget, else a ring extent (waiting
+        for room until ``deadline``); None when there is neither."""
+        with self._batch_lock:
+            in_budget = self.reserved_bytes + size <= self.ring.size
+            self.reserved_bytes += size if in_budget else 0
+        reservation = self.store.reserve(key, batch.fingerprint, size, pinned) if in_budget else None
+        if reservation is not None:
+            batch.reservations.append(reservation)
+            batch.items.append((key, reservation.payload_offset, size))
+            return reservation.payload_offset
+        if in_budget:
+            self._unreserve(size)
+        offset = self.ring.allocate(size, deadline)
+        if offset is not None:
+            batch.extents.append(offset)
+            batch.items.append((key, offset, size))
+        return offset
+
+    def commit_put(self, batch: Batch, checksums: Sequence[int], progress: Progress) -> int:
         """Store the batch's values from the segment; returns how many were stored.
+        ``checksums``: the writer's, one per value lent, or none (see `p.PutCommit`).
         The caller frees the batch, whatever happens."""
         assert batch.kind == "put"
+        if checksums and len(checksums) != len(batch.items):
+            raise p.ProtocolError(
+                p.ErrorCode.MALFORMED, f"PUT_COMMIT has {len(checksums)} checksums for {len(batch.items)} values"
+            )
+        known = dict(zip((offset for _, offset, _ in batch.items), checksums, strict=False))
         view = self.segment.view
         pinned = frozenset(key for key, _, _ in batch.items)  # The batch's own chunks stay.
+        in_place = {reservation.payload_offset: reservation for reservation in batch.reservations}
+        batch.reservations.clear()
         stored = 0
         stored_bytes = 0
-        # Tail first, so a prefix's head is the most recently admitted and the
-        # last to be evicted (an evicted head strands every later chunk).
-        for key, offset, size in reversed(batch.items):
-            assert offset + size <= self.segment.size
-            if self.store.put(key, batch.fingerprint, view[offset : offset + size], pinned):
-                stored += 1
-                stored_bytes += size
-            progress(stored)
+        try:
+            # Tail first, so a prefix's head is the most recently admitted and the
+            # last to be evicted (an evicted head strands every later chunk).
+            for key, offset, size in reversed(batch.items):
+                assert offset + size <= self.segment.size
+                reservation = in_place.pop(offset, None)
+                if reservation is not None:
+                    self._unreserve(size)
+                    # Used up, stored or not.
+                    done = self.store.complete(reservation, pinned, known.get(offset))
+                else:
+                    done = self.store.put(key, batch.fingerprint, view[offset : offset + size], pinned)
+                if done:
+                    stored += 1
+                    stored_bytes += size
+                progress(stored)
+        finally:
+            batch.reservations.extend(in_place.values())  # Left for `free` to give back.
         self._count(put_bytes=stored_bytes)
         return stored
 
@@ -180,6 +229,11 @@ class Transfers:
         """Give a batch's extents back to the ring; returns the bytes freed."""
         freed = sum(self.ring.free(offset) for offset in batch.extents)
         batch.extents.clear()
+        for reservation in batch.reservations:
+            self.store.abandon(reservation)
+            self._unreserve(reservation.payload.nbytes)
+            freed += reservation.payload.nbytes
+        batch.reservations.clear()
         for hit in batch.shared:
             hit.release()
         with self._batch_lock:
@@ -187,6 +241,11 @@ class Transfers:
             assert self.pinned >= 0
         batch.shared.clear()
         return freed
+
+    def _unreserve(self, nbytes: int) -> None:
+        with self._batch_lock:
+            self.reserved_bytes -= nbytes
+            assert self.reserved_bytes >= 0, self.reserved_bytes
 
     def _deadline(self) -> float:
         """One deadline per request, however many values it waits room for."""

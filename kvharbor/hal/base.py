@@ -271,3 +271,27 @@ class SharedSpans(ABC):
     @abstractmethod
     def view(self, span: SharedSpan) -> memoryview:
         """The pinned bytes, for the owner to verify."""
+
+
+class InPlaceWrites(SharedSpans):
+    """Mixin for shared-memory devices whose values can be written where they will be
+    stored, so a writer in another process fills the final place and nothing copies
+    the value again: a put in two phases, like vLLM's prepare/complete stores.
+
+    `reserve` lends room no reader can see; the writer fills `view(span)`; `adopt`
+    makes it the object under a key (replacing any older one, which readers that
+    pinned it keep until they unpin), or `abandon` gives the room back. Each
+    reservation ends in exactly one of the two.
+    """
+
+    @abstractmethod
+    def reserve(self, nbytes: int) -> SharedSpan | None:
+        """Room for one object of ``nbytes`` (header included); None when there is none."""
+
+    @abstractmethod
+    def adopt(self, key: bytes, span: SharedSpan) -> None:
+        """Store the reserved ``span`` under ``key``; from now on readers see it."""
+
+    @abstractmethod
+    def abandon(self, span: SharedSpan) -> None:
+        """Give back a reservation that will not be adopted."""

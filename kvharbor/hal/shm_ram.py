@@ -3,8 +3,11 @@
 Values live in page-aligned extents of a region that clients map read-only.
 A hit is then served in place: the gateway names the span, the client copies
 the value out (one copy; a GPU client does one DMA from the registered
-segment). Because no client can write the region, a value verified once, when
-it landed there, stays verified: nothing but this device writes it.
+segment). A put is written in place too (`InPlaceWrites`): the gateway lends
+the value's final extent, the client makes just that extent writable, fills
+it, and makes it read-only again before it commits; the gateway then
+checksums the bytes where they stay. Outside that window no client can write
+a stored value, so a value checksummed where it lies stays verified.
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ from kvharbor.hal.base import (
     DeviceFull,
     Health,
     HealthState,
+    InPlaceWrites,
     SharedSpan,
-    SharedSpans,
     SliceConsumer,
     Usage,
     copy_streamed,
@@ -40,7 +43,7 @@ class _Object:
     """Deleted or replaced; its extent is freed when the last pin goes."""
 
 
-class SharedRamDevice(Device, SharedSpans):
+class SharedRamDevice(Device, InPlaceWrites):
     def __init__(self, name: str, region: memoryview, region_offset: int, max_value_bytes: int) -> None:
         """``region`` is this device's part of the segment, starting ``region_offset``
         bytes into it (spans are reported in segment coordinates)."""
@@ -138,6 +141,28 @@ class SharedRamDevice(Device, SharedSpans):
     def view(self, span: SharedSpan) -> memoryview:
         start = span.offset - self._region_offset
         return self._region[start : start + span.length]
+
+    # -- InPlaceWrites -------------------------------------------------------
+
+    def reserve(self, nbytes: int) -> SharedSpan | None:
+        assert 0 < nbytes <= self.max_value_bytes, (nbytes, self.max_value_bytes)
+        offset = self._extents.allocate(nbytes)
+        if offset is None:
+            return None
+        return SharedSpan(self._region_offset + offset, nbytes, _Object(offset, nbytes))
+
+    def adopt(self, key: bytes, span: SharedSpan) -> None:
+        found = span.token
+        assert isinstance(found, _Object) and found.pins == 0 and not found.retired, found
+        with self._lock:
+            self._retire(self._objects.get(key))
+            self._objects[bytes(key)] = found
+            self._used_bytes += found.length
+
+    def abandon(self, span: SharedSpan) -> None:
+        found = span.token
+        assert isinstance(found, _Object) and found.pins == 0 and not found.retired, found
+        self._extents.free(found.offset)
 
     # -- internals -----------------------------------------------------------
 

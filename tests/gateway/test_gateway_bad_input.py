@@ -123,6 +123,11 @@ def test_each_bad_message_gets_its_code_and_the_gateway_serves_on(gateway: Gatew
         _, ready = raw.reply()
         assert isinstance(ready, p.PutReady)
         assert raw.refused(MessageType.RELEASE, p.Release(ready.batch).body()) is ErrorCode.UNKNOWN_BATCH
+        # Two checksums for one value: refused, and the batch is given back, not stored.
+        commit = p.PutCommit(ready.batch, [1, 2]).body()
+        assert raw.refused(MessageType.PUT_COMMIT, commit) is ErrorCode.MALFORMED
+        assert bystander.lookup([b"n" * 16]) == 0
+        assert bystander.status()["shm"]["in_place_bytes"] == 0
         # Oversized: answered, then the connection is closed (it cannot be resynchronised).
         assert raw.refused(MessageType.LOOKUP, b"", length=(1 << 20) + 1) is ErrorCode.TOO_LARGE
         with pytest.raises(PeerClosed):
@@ -130,14 +135,15 @@ def test_each_bad_message_gets_its_code_and_the_gateway_serves_on(gateway: Gatew
         rejected = bystander.status()["counters"]["rejected"]
         assert rejected == {
             "NOT_READY": 1,
-            "MALFORMED": 5,
+            "MALFORMED": 6,
             "BAD_KEY": 3,
             "TOO_LARGE": 4,
             "UNKNOWN_BATCH": 3,
         }
         assert get_values(bystander, [KEY]) == [value_for(KEY, 5000)]
-        # The bad peer's open put batch was freed when it was hung up on.
-        assert bystander.status()["shm"]["free_bytes"] == bystander.status()["shm"]["ring_bytes"]
+        # The bad peer's open put batches were freed when it was hung up on.
+        shm = bystander.status()["shm"]
+        assert shm["free_bytes"] == shm["ring_bytes"] and shm["in_place_bytes"] == 0
 
 
 def test_truncated_frame_then_hang_up(gateway: GatewayProcess) -> None:

@@ -104,7 +104,7 @@ def test_progress_keeps_a_long_request_alive(scripted: Callable[..., ScriptedGat
     gateway = scripted(slow_commit)
     client = connect(gateway.section)
     try:
-        assert client.commit_put(PutBatch(1, [])) == 7
+        assert client.commit_put(PutBatch(1, [], [])) == 7
     finally:
         client.close()
 
@@ -147,7 +147,7 @@ def test_a_span_outside_the_segment_is_refused(scripted: Callable[..., ScriptedG
     gateway = scripted(wild)
     client = connect(gateway.section)
     try:
-        with pytest.raises(GatewayUnavailable, match="outside the 4096 bytes it must be in"):
+        with pytest.raises(GatewayUnavailable, match="outside the 4096-byte segment"):
             client.get(FINGERPRINT, [b"k" * 16])
     finally:
         client.close()

@@ -47,6 +47,7 @@ def test_many_clients_read_back_exactly_what_was_written(lab: Lab, started: Call
     assert status["counters"]["clients_total"] == THREADS + PROCESSES + 1
     assert status["counters"]["rejected"] == {}
     assert status["shm"]["free_bytes"] == status["shm"]["ring_bytes"], "every transfer gave its room back"
+    assert status["shm"]["in_place_bytes"] == 0, "every put written in place was committed"
     assert status["transfers_open"] == 0
 
 

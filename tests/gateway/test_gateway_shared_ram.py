@@ -1,7 +1,9 @@
-"""The RAM tier lives in the gateway's segment: hits are served in place and clients cannot write them."""
+"""The RAM tier lives in the gateway's segment: hits are served from it in place, puts are
+written into it in place, and clients cannot write a stored value."""
 
 from __future__ import annotations
 
+import ctypes
 import subprocess
 import sys
 import textwrap
@@ -11,6 +13,7 @@ from pathlib import Path
 from gateway_harness import (
     FINGERPRINT,
     GatewayProcess,
+    Lab,
     closing_client,
     get_values,
     keys_of,
@@ -19,6 +22,7 @@ from gateway_harness import (
 )
 
 from kvharbor.config import MIB
+from kvharbor.gateway.client import GatewayClient
 
 HARNESS_DIR = Path(__file__).resolve().parent
 
@@ -70,3 +74,124 @@ def test_a_client_cannot_write_into_the_ram_tier(started: Callable[..., GatewayP
     assert result.returncode == -11, result.stderr  # SIGSEGV: the page is read-only.
     with closing_client(gateway.client("c")) as client:
         assert get_values(client, [key]) == [value_for(key, MIB)]
+
+
+# -- puts written in place ------------------------------------------------------------
+
+
+def test_puts_are_written_in_place_in_the_ram_tier(started: Callable[..., GatewayProcess]) -> None:
+    gateway = started(ring_mb=8)
+    items = [(key, 3 * MIB) for key in keys_of(2, tag=13)]
+    with closing_client(gateway.client("c")) as client:
+        ring = client.hello.ring_bytes
+        batch = client.prepare_put(FINGERPRINT, items)
+        spans = [address_in(client, view) for view in batch.views]
+        # 6 MiB lent beyond the ring, the ring untouched: the values' final places.
+        assert all(offset >= ring for offset in spans)
+        shm = client.status()["shm"]
+        assert shm["free_bytes"] == ring and shm["in_place_bytes"] == 6 * MIB
+        for view, (key, size) in zip(batch.views, items, strict=True):
+            assert view is not None
+            view[:] = value_for(key, size)
+        assert client.commit_put(batch) == 2
+        assert client.status()["shm"]["in_place_bytes"] == 0
+        hits = client.get(FINGERPRINT, [k for k, _ in items])
+        try:
+            # Served from where they were written: nothing was copied to store them.
+            assert [address_in(client, view) for view in hits.views] == spans
+            assert [bytes(view) for view in hits.views] == [value_for(k, n) for k, n in items]
+        finally:
+            client.release(hits)
+
+
+def test_in_flight_puts_in_place_are_bounded_by_the_ring(started: Callable[..., GatewayProcess]) -> None:
+    gateway = started(ring_mb=8)
+    items = [(key, 3 * MIB) for key in keys_of(3, tag=14)]
+    with closing_client(gateway.client("c")) as client:
+        ring = client.hello.ring_bytes
+        batch = client.prepare_put(FINGERPRINT, items)
+        offsets = [address_in(client, view) for view in batch.views]
+        # Two fit the ring's worth of in-flight bytes in place; the third goes through the ring.
+        assert [offset >= ring for offset in offsets] == [True, True, False]
+        for view, (key, size) in zip(batch.views, items, strict=True):
+            assert view is not None
+            view[:] = value_for(key, size)
+        assert client.commit_put(batch) == 3
+        assert get_values(client, [k for k, _ in items]) == [value_for(k, n) for k, n in items]
+        shm = client.status()["shm"]
+        assert shm["free_bytes"] == ring and shm["in_place_bytes"] == 0
+
+
+def test_puts_go_through_the_ring_when_the_first_tier_is_not_in_shared_memory(
+    lab: Lab, started: Callable[..., GatewayProcess]
+) -> None:
+    gateway = started(
+        ring_mb=8, tiers=[{"name": "disk", "type": "file", "path": str(lab.tmp_path / "t"), "capacity_gb": 0.1}]
+    )
+    items = [(key, MIB) for key in keys_of(2, tag=15)]
+    with closing_client(gateway.client("c")) as client:
+        batch = client.prepare_put(FINGERPRINT, items)
+        assert all(address_in(client, view) < client.hello.ring_bytes for view in batch.views)
+        assert batch.in_place == []
+        for view, (key, size) in zip(batch.views, items, strict=True):
+            assert view is not None
+            view[:] = value_for(key, size)
+        assert client.commit_put(batch) == 2
+        assert get_values(client, [k for k, _ in items]) == [value_for(k, n) for k, n in items]
+
+
+def test_a_put_in_place_is_read_only_once_committed(started: Callable[..., GatewayProcess]) -> None:
+    """The client may write its lent place until it commits, never after: a stored
+    value can only change through the gateway."""
+    gateway = started(ring_mb=8)
+    key = keys_of(1, tag=16)[0]
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.path.insert(0, {str(HARNESS_DIR)!r})
+        from gateway_harness import FINGERPRINT, value_for
+        from kvharbor.config import MIB, load_config
+        from kvharbor.gateway.client import GatewayClient
+        client = GatewayClient.connect(load_config({str(gateway.config_path)!r}).gateway, "late writer")
+        key = bytes.fromhex({key.hex()!r})
+        batch = client.prepare_put(FINGERPRINT, [(key, MIB)])
+        assert batch.in_place, "lent in place"
+        batch.views[0][:] = value_for(key, MIB)
+        assert client.commit_put(batch) == 1
+        print("committed", flush=True)
+        batch.views[0][0] ^= 0xFF
+        print("wrote", flush=True)
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert "committed" in result.stdout and "wrote" not in result.stdout, result.stderr
+    assert result.returncode == -11, result.stderr  # SIGSEGV: read-only again after the commit.
+    with closing_client(gateway.client("c")) as client:
+        assert get_values(client, [key]) == [value_for(key, MIB)]
+
+
+def test_room_for_a_put_in_place_comes_from_the_least_recent_values(
+    started: Callable[..., GatewayProcess],
+) -> None:
+    gateway = started(ring_mb=8, tiers=[{"name": "ram", "type": "ram", "capacity_gb": 24 / 1024}])
+    old = [(key, 4 * MIB) for key in keys_of(5, tag=17)]
+    new = [(key, 4 * MIB) for key in keys_of(2, tag=18)]
+    with closing_client(gateway.client("c")) as client:
+        for item in old:
+            assert put_values(client, [item]) == 1
+        assert get_values(client, [old[0][0]]) == [value_for(*old[0])]  # Now the most recent.
+        assert put_values(client, new) == 2
+        assert get_values(client, [k for k, _ in new]) == [value_for(k, n) for k, n in new]
+        kept = [client.lookup([key]) for key, _ in old]
+        assert kept[0] == 1, "the value read last stays"
+        assert sum(kept) <= 3, "older values made room"
+        tier = client.status()["store"]["tiers"][0]
+        assert tier["used_bytes"] <= tier["capacity_bytes"]
+
+
+def address_in(client: GatewayClient, view: memoryview | None) -> int:
+    """Where ``view`` starts in the client's mapping of the segment."""
+    assert view is not None
+    return ctypes.addressof(ctypes.c_char.from_buffer(view)) - ctypes.addressof(
+        ctypes.c_char.from_buffer(client.segment.view)
+    )

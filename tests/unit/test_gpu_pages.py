@@ -61,7 +61,7 @@ class Shm:
     def __init__(self, size: int) -> None:
         self.buffer = bytearray(size)
         self.view = memoryview(self.buffer)
-        self.mapping = PinnedMapping(self.view, self.view.nbytes, register=None)
+        self.mapping = PinnedMapping(self.view, register=None)
 
     def span(self, offset: int, size: int) -> memoryview:
         return self.view[offset : offset + size]
@@ -174,23 +174,23 @@ def test_save_staging_is_bounded() -> None:
 
 
 def test_pinned_mapping_offsets_and_register_calls() -> None:
-    calls: list[tuple[str, int, int, bool]] = []
+    calls: list[tuple[str, int, int]] = []
     shm = bytearray(1 << 16)
     view = memoryview(shm)
     base = ctypes.addressof(ctypes.c_char.from_buffer(view))
     pin = PinnedMapping(
         view,
-        1 << 14,  # The ring; the rest (the RAM tiers) is read-only for clients.
-        register=lambda a, n, ro: calls.append(("register", a, n, ro)),
-        unregister=lambda a: calls.append(("unregister", a, 0, False)),
+        register=lambda a, n: calls.append(("register", a, n)),
+        unregister=lambda a: calls.append(("unregister", a, 0)),
     )
-    assert calls == [("register", base, 1 << 14, False), ("register", base + (1 << 14), 3 << 14, True)]
+    # One registration, read-write: the GPU writes puts in place into the RAM tiers too.
+    assert calls == [("register", base, 1 << 16)]
     assert pin.offset(view[4096:8192]) == 4096
     pin.tensor[4096] = 7
     assert shm[4096] == 7
     pin.close()
     pin.close()
-    assert calls[2:] == [("unregister", base + (1 << 14), 0, False), ("unregister", base, 0, False)]
+    assert calls[1:] == [("unregister", base, 0)]
     view.release()  # the mapping left no export behind: the owner can unmap
 
 
@@ -386,7 +386,7 @@ def test_worker_gpu_path_saves_and_restores_through_the_gateway(gateway_config: 
 def test_worker_gpu_path_turns_the_cache_off_when_pinning_fails(
     gateway_config: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    def refuse(address: int, nbytes: int, read_only: bool) -> None:
+    def refuse(address: int, nbytes: int) -> None:
         raise PinError("cudaHostRegister(64 MiB) failed with CUDA error 2 cudaErrorMemoryAllocation")
 
     path, _ = worker_path(gateway_config, layers(), register=refuse)

@@ -48,6 +48,7 @@ import torch
 from kvharbor.cache.bandwidth import keep_loading
 from kvharbor.connector.vllm.layout import ConnectorRefusal
 from kvharbor.connector.vllm.pages import find_block_dim
+from kvharbor.gateway.shm import ShmUnavailable
 from kvharbor.telemetry.log import OnceLog, get_logger
 
 if TYPE_CHECKING:  # Importable without vLLM (bench/gpu.py's data-path part needs none).
@@ -83,15 +84,10 @@ def address_of(view: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
-CUDA_HOST_REGISTER_READ_ONLY = 0x08
-"""cudaHostRegisterReadOnly: the pages are mapped read-only (the RAM tiers' part of the segment)."""
-
-
-def cuda_host_register(address: int, nbytes: int, read_only: bool) -> None:
+def cuda_host_register(address: int, nbytes: int) -> None:
     """Page-lock ``nbytes`` at ``address`` for CUDA; raises `PinError` with CUDA's reason."""
     try:
-        cudart = torch.cuda.cudart()
-        error = cudart.cudaHostRegister(address, nbytes, CUDA_HOST_REGISTER_READ_ONLY if read_only else 0)
+        error = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
     except (RuntimeError, AttributeError, OSError) as err:
         raise PinError(f"cudaHostRegister is not available: {err}") from None
     code = int(getattr(error, "value", error))
@@ -105,7 +101,7 @@ def cuda_host_unregister(address: int) -> None:
         torch.cuda.cudart().cudaHostUnregister(address)
 
 
-Register = Callable[[int, int, bool], None]
+Register = Callable[[int, int], None]
 Unregister = Callable[[int], None]
 
 
@@ -120,29 +116,20 @@ class PinnedMapping:
     def __init__(
         self,
         view: memoryview,
-        writable_bytes: int,
         register: Register | None = cuda_host_register,
         unregister: Unregister = cuda_host_unregister,
     ) -> None:
-        """``view`` is the whole mapping; past ``writable_bytes`` (the gateway's RAM
-        tiers) it is read-only, and is registered as such."""
-        assert 0 < writable_bytes <= view.nbytes
+        """Register all of ``view`` for reads and writes: the GPU reads hits from the
+        RAM tiers in place and writes puts into them in place. It must be writable
+        (CUDA pins pages for writing only in a writable mapping)."""
         self.base = address_of(view)
         self.size = view.nbytes
-        ranges = [(self.base, writable_bytes, False)]
-        if writable_bytes < self.size:
-            ranges.append((self.base + writable_bytes, self.size - writable_bytes, True))
-        self._registered: list[int] = []
+        self._registered: int | None = None
         self._unregister = unregister
         started = time.perf_counter()
         if register is not None:
-            for address, nbytes, read_only in ranges:
-                try:
-                    register(address, nbytes, read_only)  # Raises PinError.
-                except PinError:
-                    self.close()
-                    raise
-                self._registered.append(address)
+            register(self.base, self.size)  # Raises PinError.
+            self._registered = self.base
         self.register_s = time.perf_counter() - started
         array = (ctypes.c_uint8 * self.size).from_address(self.base)
         self.tensor = torch.frombuffer(array, dtype=torch.uint8)
@@ -154,8 +141,9 @@ class PinnedMapping:
 
     def close(self) -> None:
         self.tensor = torch.empty(0, dtype=torch.uint8)
-        while self._registered:
-            self._unregister(self._registered.pop())
+        if self._registered is not None:
+            self._unregister(self._registered)
+            self._registered = None
 
 
 def block_major(tensor: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -571,12 +559,13 @@ class GpuWorkerPath:
         started = time.perf_counter()
         try:
             for link in (self._load_link, self._save_link):
-                shared = link.shared_memory()
-                if shared is None:
+                segment = link.shared_memory()
+                if segment is None:
                     self._unpin()
                     return False  # The cache is off already; the link said why.
-                self.pins.append(PinnedMapping(*shared, self._register))
-        except PinError as err:
+                segment.make_writable()  # Written by DMA only: see `Segment.make_writable`.
+                self.pins.append(PinnedMapping(segment.view, self._register))
+        except (PinError, ShmUnavailable) as err:
             self._unpin()
             reason = f"the gateway's shared memory cannot be page-locked for the GPU: {err}"
             _log.error(
