@@ -259,6 +259,8 @@ class Gateway:
                 # refused at start must not unlink the one serving there.
                 self.socket_path.unlink(missing_ok=True)
             self._stop_clients()
+            if self.transfers is not None:
+                self.transfers.close()
             if self.store is not None:
                 self.store.close()
             if self.segment is not None:

@@ -21,8 +21,10 @@ import ctypes
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from kvharbor.cache.format import checksum
 from kvharbor.cache.store import TieredStore
 from kvharbor.cache.tier import Reservation, SharedHit
 from kvharbor.config import MIB, Config
@@ -68,6 +70,7 @@ class Transfers:
         self._segment_address = _address(segment.view)
         self._batch_ids = iter(range(1, 2**63))
         self._batch_lock = threading.Lock()
+        self._checksummers = ThreadPoolExecutor(config.gateway.checksum_threads, "kvharbor-checksum")
         self.pinned = 0
         """RAM-tier values clients are reading in place right now."""
         self.reserved_bytes = 0
@@ -144,6 +147,11 @@ class Transfers:
         stored = 0
         stored_bytes = 0
         try:
+            # Values written in place without the writer's checksum (a GPU's DMA) are
+            # checksummed first, several at a time: xxh3 lets go of the GIL.
+            unknown = [offset for offset in in_place if offset not in known]
+            digests = self._checksummers.map(lambda offset: checksum(in_place[offset].payload), unknown)
+            known.update(zip(unknown, digests, strict=True))
             # Tail first, so a prefix's head is the most recently admitted and the
             # last to be evicted (an evicted head strands every later chunk).
             for key, offset, size in reversed(batch.items):
@@ -241,6 +249,9 @@ class Transfers:
             assert self.pinned >= 0
         batch.shared.clear()
         return freed
+
+    def close(self) -> None:
+        self._checksummers.shutdown(wait=True)
 
     def _unreserve(self, nbytes: int) -> None:
         with self._batch_lock:

@@ -21,6 +21,7 @@ from gateway_harness import (
     value_for,
 )
 
+from kvharbor.cache.format import HEADER_BYTES, checksum, parse_header
 from kvharbor.config import MIB
 from kvharbor.gateway.client import GatewayClient
 
@@ -90,9 +91,10 @@ def test_puts_are_written_in_place_in_the_ram_tier(started: Callable[..., Gatewa
         assert all(offset >= ring for offset in spans)
         shm = client.status()["shm"]
         assert shm["free_bytes"] == ring and shm["in_place_bytes"] == 6 * MIB
-        for view, (key, size) in zip(batch.views, items, strict=True):
-            assert view is not None
-            view[:] = value_for(key, size)
+        assert batch.views[0] is not None
+        batch.views[0][:] = value_for(*items[0])  # Filled by hand: the gateway checksums it.
+        batch.write(1, value_for(*items[1]))  # Copied with its checksum, sent with the commit.
+        assert batch.commit_checksums() == [], "not every value came with a checksum: none are sent"
         assert client.commit_put(batch) == 2
         assert client.status()["shm"]["in_place_bytes"] == 0
         hits = client.get(FINGERPRINT, [k for k, _ in items])
@@ -100,8 +102,23 @@ def test_puts_are_written_in_place_in_the_ram_tier(started: Callable[..., Gatewa
             # Served from where they were written: nothing was copied to store them.
             assert [address_in(client, view) for view in hits.views] == spans
             assert [bytes(view) for view in hits.views] == [value_for(k, n) for k, n in items]
+            for offset, (key, size) in zip(spans, items, strict=True):
+                header = parse_header(client.segment.view[offset - HEADER_BYTES : offset])
+                assert header.key == key and header.payload_checksum == checksum(value_for(key, size))
         finally:
             client.release(hits)
+
+
+def test_a_writer_that_checksums_every_value_sends_the_checksums(started: Callable[..., GatewayProcess]) -> None:
+    gateway = started(ring_mb=8)
+    items = [(key, MIB) for key in keys_of(2, tag=19)]
+    with closing_client(gateway.client("c")) as client:
+        batch = client.prepare_put(FINGERPRINT, items)
+        for index, item in enumerate(items):
+            batch.write(index, value_for(*item))
+        assert batch.commit_checksums() == [checksum(value_for(*item)) for item in items]
+        assert client.commit_put(batch) == 2
+        assert get_values(client, [k for k, _ in items]) == [value_for(k, n) for k, n in items]
 
 
 def test_in_flight_puts_in_place_are_bounded_by_the_ring(started: Callable[..., GatewayProcess]) -> None:
