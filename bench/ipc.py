@@ -317,7 +317,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=12, help="timed put+get rounds")
     parser.add_argument("--samples", type=int, default=20_000, help="round trips per client")
     parser.add_argument("--clients", default="1,2,8", help="client process counts for round trips")
-    parser.add_argument("--keys", type=int, default=20_000, help="small values stored for the memory figure")
+    parser.add_argument("--keys", type=int, default=100_000, help="small values stored for the memory figure")
     parser.add_argument("--value-bytes", type=int, default=64, help="size of those values")
     parser.add_argument("--json", action="store_true", help="end with one JSON line")
     args = parser.parse_args()

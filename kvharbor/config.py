@@ -130,7 +130,8 @@ class StorageSection(_Section):
     write_policy: Literal["write_through", "write_back"] = "write_through"
     """write_through: a put reaches every tier before it returns; write_back: lower
     tiers are written when an object is evicted from the one above."""
-    value_mb_max: int = Field(1024, gt=0, description="largest value (one chunk's KV) in MiB")
+    value_mb_max: int = Field(1024, gt=0, lt=4096, description="largest value (one chunk's KV) in MiB")
+    """Below 4 GiB: stored lengths are 32 bits (a chunk of 256 tokens of a 70B model is ~80 MiB)."""
     probe: bool = True
     """Write, read back and delete a test object in every tier at start; skip failing tiers."""
     backpressure: BackpressureSection = BackpressureSection()

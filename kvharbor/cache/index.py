@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+from kvharbor.hal.keytable import NO_RECORD, KeyTable
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,77 +82,161 @@ def check_admission(entry: Entry, budget_bytes: int) -> None:
         raise OverBudget(f"a value of {entry.nbytes} bytes exceeds the tier budget of {budget_bytes}")
 
 
+_NBYTES = 0
+_PARTS = 1
+_OLDER = 2
+"""The next less recently used record, or `_LRU_END`."""
+_NEWER = 3
+"""The next more recently used record, or `_LRU_END`."""
+_FIELDS = "QIII"
+"""64 bits for the size, 32 for the fragment count (at most `FRAGMENTS_MAX`) and the links
+(record ids fit in 31 bits)."""
+
+_LRU_END = (1 << 32) - 1
+"""Ends the LRU list: never a record id, and it fits an unsigned 64-bit field."""
+
+
 class MemoryIndex(TierIndex):
-    """An LRU index in one process; the order of the dict is the LRU order."""
+    """An LRU index in one process, in a `KeyTable`: about 50 bytes per key.
+
+    Each key's record holds its size, its fragment count and its two neighbours
+    in a doubly linked LRU list threaded through the record ids, least recently
+    used at ``_oldest``. Every call takes the lock: a concurrent insert may
+    rehash the table or reuse a freed record under a reader.
+    """
 
     def __init__(self) -> None:
-        self._entries: OrderedDict[bytes, Entry] = OrderedDict()
+        self._table = KeyTable(_FIELDS)
+        self._oldest = _LRU_END
+        self._newest = _LRU_END
         self._used_bytes = 0
         self._lock = threading.Lock()
 
     def admit(self, entry: Entry, budget_bytes: int, pinned: frozenset[bytes] = frozenset()) -> list[Entry]:
         check_admission(entry, budget_bytes)
         with self._lock:
-            old = self._entries.get(entry.key)
-            used = self._used_bytes - (old.nbytes if old is not None else 0)
+            table = self._table
+            own = table.find(entry.key)
+            used = self._used_bytes - (table.get(own, _NBYTES) if own != NO_RECORD else 0)
             # Choose first, change after: a refusal must leave the index as it was.
             victims: list[Entry] = []
-            for key, candidate in self._entries.items():
-                if used + entry.nbytes <= budget_bytes:
-                    break
-                if key in pinned or key == entry.key:
-                    continue
-                victims.append(candidate)
-                used -= candidate.nbytes
+            record = self._oldest
+            while record != _LRU_END and used + entry.nbytes > budget_bytes:
+                if record != own:
+                    key = table.key_of(record)
+                    if key not in pinned:
+                        nbytes = table.get(record, _NBYTES)
+                        victims.append(Entry(key, nbytes, table.get(record, _PARTS)))
+                        used -= nbytes
+                record = table.get(record, _NEWER)
             if used + entry.nbytes > budget_bytes:
                 raise OverBudget(f"{entry.nbytes} bytes do not fit the budget of {budget_bytes}: the rest is pinned")
             for victim in victims:
-                del self._entries[victim.key]
-            self._entries.pop(entry.key, None)
-            self._entries[entry.key] = entry
+                self._forget(victim.key)
+            if own == NO_RECORD:
+                own = table.insert(entry.key)
+            else:
+                self._unlink(own)
+            table.set(own, _NBYTES, entry.nbytes)
+            table.set(own, _PARTS, entry.parts)
+            self._link_newest(own)
             self._used_bytes = used + entry.nbytes
         assert 0 < self._used_bytes <= budget_bytes
         return victims
 
     def touch(self, keys: Sequence[bytes]) -> None:
         with self._lock:
+            find = self._table.find
             for key in keys:
-                if key in self._entries:
-                    self._entries.move_to_end(key)
+                record = find(key)
+                if record != NO_RECORD and record != self._newest:
+                    self._unlink(record)
+                    self._link_newest(record)
 
     def remove(self, keys: Sequence[bytes]) -> None:
         with self._lock:
             for key in keys:
-                entry = self._entries.pop(key, None)
-                if entry is not None:
-                    self._used_bytes -= entry.nbytes
+                self._forget(key)
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        entries = self._entries
-        return [k in entries for k in keys]
+        with self._lock:
+            find = self._table.find
+            return [find(key) != NO_RECORD for key in keys]
 
     def get(self, key: bytes) -> Entry | None:
-        return self._entries.get(key)
+        with self._lock:
+            record = self._table.find(key)
+            return None if record == NO_RECORD else self._entry(record)
 
     def used_bytes(self) -> int:
         return self._used_bytes
 
     def count(self) -> int:
-        return len(self._entries)
+        return len(self._table)
 
     def lru(self, limit: int) -> list[Entry]:
         with self._lock:
             out: list[Entry] = []
-            for entry in self._entries.values():
-                if len(out) >= limit:
-                    break
-                out.append(entry)
+            record = self._oldest
+            while record != _LRU_END and len(out) < limit:
+                out.append(self._entry(record))
+                record = self._table.get(record, _NEWER)
             return out
 
     def rebuild(self, entries: Iterable[Entry]) -> None:
         with self._lock:
-            self._entries.clear()
+            # A fresh table, not emptied arrays: the memory of a larger past goes back.
+            self._table = KeyTable(_FIELDS)
+            self._oldest = self._newest = _LRU_END
             self._used_bytes = 0
             for entry in entries:
-                self._entries[entry.key] = entry
+                # A repeated key replaces the earlier entry where it stood, as dict assignment does.
+                record = self._table.find(entry.key)
+                if record == NO_RECORD:
+                    record = self._table.insert(entry.key)
+                    self._link_newest(record)
+                else:
+                    self._used_bytes -= self._table.get(record, _NBYTES)
+                self._table.set(record, _NBYTES, entry.nbytes)
+                self._table.set(record, _PARTS, entry.parts)
                 self._used_bytes += entry.nbytes
+
+    # -- internals, under the lock -------------------------------------------
+
+    def _entry(self, record: int) -> Entry:
+        table = self._table
+        return Entry(table.key_of(record), table.get(record, _NBYTES), table.get(record, _PARTS))
+
+    def _forget(self, key: bytes) -> None:
+        """Drop ``key`` if present."""
+        record = self._table.detach(key)
+        if record == NO_RECORD:
+            return
+        self._used_bytes -= self._table.get(record, _NBYTES)
+        assert self._used_bytes >= 0, self._used_bytes
+        self._unlink(record)
+        self._table.release(record)
+
+    def _unlink(self, record: int) -> None:
+        table = self._table
+        older, newer = table.get(record, _OLDER), table.get(record, _NEWER)
+        if older == _LRU_END:
+            assert self._oldest == record, (self._oldest, record)
+            self._oldest = newer
+        else:
+            table.set(older, _NEWER, newer)
+        if newer == _LRU_END:
+            assert self._newest == record, (self._newest, record)
+            self._newest = older
+        else:
+            table.set(newer, _OLDER, older)
+
+    def _link_newest(self, record: int) -> None:
+        table = self._table
+        table.set(record, _OLDER, self._newest)
+        table.set(record, _NEWER, _LRU_END)
+        if self._newest == _LRU_END:
+            self._oldest = record
+        else:
+            table.set(self._newest, _NEWER, record)
+        self._newest = record

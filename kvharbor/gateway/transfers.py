@@ -48,7 +48,8 @@ class Batch:
 
     kind: str
     """"put" or "get"."""
-    extents: list[int] = field(default_factory=list)
+    extents: list[tuple[int, int]] = field(default_factory=list)
+    """Ring extents lent, as (offset, bytes asked)."""
     shared: list[SharedHit] = field(default_factory=list)
     """get: values served in place from a shared-memory RAM tier, pinned until release."""
     items: list[tuple[bytes, int, int]] = field(default_factory=list)
@@ -126,7 +127,7 @@ class Transfers:
             self._unreserve(size)
         offset = self.ring.allocate(size, deadline)
         if offset is not None:
-            batch.extents.append(offset)
+            batch.extents.append((offset, size))
             batch.items.append((key, offset, size))
         return offset
 
@@ -188,7 +189,7 @@ class Transfers:
             offset = ring.allocate(nbytes, deadline)
             if offset is None:
                 raise _RingFull
-            batch.extents.append(offset)
+            batch.extents.append((offset, nbytes))
             return segment.view[offset : offset + nbytes]
 
         got_bytes = 0
@@ -235,7 +236,7 @@ class Transfers:
 
     def free(self, batch: Batch) -> int:
         """Give a batch's extents back to the ring; returns the bytes freed."""
-        freed = sum(self.ring.free(offset) for offset in batch.extents)
+        freed = sum(self.ring.free(offset, nbytes) for offset, nbytes in batch.extents)
         batch.extents.clear()
         for reservation in batch.reservations:
             self.store.abandon(reservation)

@@ -31,7 +31,9 @@ class Extents:
 
     Free extents are kept sorted by start (``_starts``) with their lengths
     (``_lengths``); an allocation or a free is O(free extents), which stays
-    small because neighbours coalesce.
+    small because neighbours coalesce. Extents in use are not tracked here:
+    their owner knows each one's offset and size and gives both back (a RAM
+    tier holds millions, and a table of them would cost ~100 bytes each).
     """
 
     def __init__(self, size: int) -> None:
@@ -39,7 +41,6 @@ class Extents:
         self.size = size
         self._starts: list[int] = [0]
         self._lengths: dict[int, int] = {0: size}
-        self._used: dict[int, int] = {}
         self._free_bytes = size
         self._cond = threading.Condition()
 
@@ -63,11 +64,12 @@ class Extents:
                     return None
                 self._cond.wait(remaining)
 
-    def free(self, offset: int) -> int:
-        """Give back the extent at ``offset``; returns its length."""
+    def free(self, offset: int, nbytes: int) -> int:
+        """Give back the extent `allocate` returned at ``offset`` for ``nbytes``; returns
+        its length (whole pages). An extent freed twice is caught while it is free."""
+        length = round_up(nbytes)
         with self._cond:
-            length = self._used.pop(offset, 0)
-            assert length > 0, f"extent at {offset} is not allocated"
+            assert offset % PAGE_BYTES == 0 and offset + length <= self.size, (offset, length, self.size)
             self._free_bytes += length
             self._insert(offset, length)
             assert 0 < self._free_bytes <= self.size
@@ -75,15 +77,17 @@ class Extents:
         return length
 
     def check(self) -> None:
-        """Full consistency check, O(extents): free and used extents tile [0, size)."""
+        """Full consistency check, O(free extents): sorted, page-aligned, apart (a free
+        neighbour would have coalesced), inside [0, size), adding up to `free_bytes`."""
         with self._cond:
-            spans = sorted([(s, self._lengths[s]) for s in self._starts] + list(self._used.items()))
+            assert sorted(self._lengths) == self._starts
             assert sum(self._lengths.values()) == self._free_bytes
-            at = 0
-            for start, length in spans:
-                assert start == at and length > 0 and start % PAGE_BYTES == 0, (start, at, length)
-                at += length
-            assert at == self.size, (at, self.size)
+            end = -1
+            for start in self._starts:
+                length = self._lengths[start]
+                assert start > end and length > 0 and start % PAGE_BYTES == 0 == length % PAGE_BYTES, (start, end)
+                end = start + length
+            assert end <= self.size, (end, self.size)
 
     def _take(self, need: int) -> int | None:
         for i, start in enumerate(self._starts):
@@ -96,7 +100,6 @@ class Extents:
             else:
                 self._starts[i] = start + need
                 self._lengths[start + need] = length - need
-            self._used[start] = need
             self._free_bytes -= need
             assert 0 <= self._free_bytes < self.size
             return start

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 
 from kvharbor.hal.base import (
     STREAM_SLICE_BYTES,
@@ -30,17 +29,15 @@ from kvharbor.hal.base import (
     Usage,
     copy_streamed,
 )
-from kvharbor.hal.extents import Extents
+from kvharbor.hal.extents import PAGE_BYTES, Extents
+from kvharbor.hal.keytable import NO_RECORD, KeyTable
 
-
-@dataclass(slots=True)
-class _Object:
-    offset: int
-    """Within the region (not the segment)."""
-    length: int
-    pins: int = 0
-    retired: bool = False
-    """Deleted or replaced; its extent is freed when the last pin goes."""
+_OFFSET, _LENGTH, _PINS = range(3)
+_FIELDS = "III"
+"""A stored value's record (`KeyTable` fields, 32 bits each): where it starts in the
+region in pages (16 TiB of region), its length in bytes (`storage.value_mb_max` is
+below 4 GiB), and how many readers hold it pinned. A deleted or replaced value's
+record is detached from its key and freed, with its extent, when its last pin goes."""
 
 
 class SharedRamDevice(Device, InPlaceWrites):
@@ -48,11 +45,12 @@ class SharedRamDevice(Device, InPlaceWrites):
         """``region`` is this device's part of the segment, starting ``region_offset``
         bytes into it (spans are reported in segment coordinates)."""
         assert region.nbytes > 0 and region_offset >= 0
+        assert region.nbytes // PAGE_BYTES < 2**32 and max_value_bytes < 2**32, "fields are 32 bits"
         super().__init__(name, min(max_value_bytes, region.nbytes))
         self._region = region
         self._region_offset = region_offset
         self._extents = Extents(region.nbytes)
-        self._objects: dict[bytes, _Object] = {}
+        self._table = KeyTable(_FIELDS)
         self._used_bytes = 0
         self._lock = threading.Lock()
 
@@ -69,10 +67,7 @@ class SharedRamDevice(Device, InPlaceWrites):
             self._region[at : at + view.nbytes] = view
             at += view.nbytes
         assert at - offset == total
-        with self._lock:
-            self._retire(self._objects.get(key))
-            self._objects[bytes(key)] = _Object(offset, total)
-            self._used_bytes += total
+        self._store(key, offset, total)
 
     def get(self, key: bytes, into: memoryview) -> int | None:
         return self.get_streamed(key, into, lambda _: None, max(1, into.nbytes))
@@ -91,52 +86,55 @@ class SharedRamDevice(Device, InPlaceWrites):
             self.unpin(span)
 
     def size(self, key: bytes) -> int | None:
-        found = self._objects.get(key)
-        return None if found is None else found.length
+        with self._lock:
+            record = self._table.find(key)
+            return None if record == NO_RECORD else self._table.get(record, _LENGTH)
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
-        objects = self._objects
-        return [k in objects for k in keys]
+        with self._lock:
+            table = self._table
+            return [key in table for key in keys]
 
     def delete(self, key: bytes) -> bool:
         with self._lock:
-            found = self._objects.pop(key, None)
-            self._retire(found)
-        return found is not None
+            record = self._table.detach(key)
+            self._retire(record)
+        return record != NO_RECORD
 
     def scan(self) -> Iterator[tuple[bytes, int]]:
         with self._lock:
-            items = [(k, o.length) for k, o in self._objects.items()]
+            table = self._table
+            items = [(key, table.get(record, _LENGTH)) for key, record in table]
         yield from items
 
     def usage(self) -> Usage:
-        return Usage(self._used_bytes, self._region.nbytes, len(self._objects))
+        return Usage(self._used_bytes, self._region.nbytes, len(self._table))
 
     def health(self) -> Health:
         return Health(HealthState.OK)
-
-    def close(self) -> None:
-        with self._lock:
-            self._objects.clear()
 
     # -- SharedSpans ---------------------------------------------------------
 
     def pin(self, key: bytes) -> SharedSpan | None:
         with self._lock:
-            found = self._objects.get(key)
-            if found is None:
+            table = self._table
+            record = table.find(key)
+            if record == NO_RECORD:
                 return None
-            found.pins += 1
-        return SharedSpan(self._region_offset + found.offset, found.length, found)
+            table.set(record, _PINS, table.get(record, _PINS) + 1)
+            offset, length = table.get(record, _OFFSET) * PAGE_BYTES, table.get(record, _LENGTH)
+        return SharedSpan(self._region_offset + offset, length, record)
 
     def unpin(self, span: SharedSpan) -> None:
-        found = span.token
-        assert isinstance(found, _Object)
+        record = span.token
+        assert isinstance(record, int)
         with self._lock:
-            assert found.pins > 0, "unpinned more often than pinned"
-            found.pins -= 1
-            if found.retired and found.pins == 0:
-                self._free(found)
+            table = self._table
+            pins = table.get(record, _PINS)
+            assert pins > 0, "unpinned more often than pinned"
+            table.set(record, _PINS, pins - 1)
+            if pins == 1 and not table.is_live(record):
+                self._free(record)
 
     def view(self, span: SharedSpan) -> memoryview:
         start = span.offset - self._region_offset
@@ -149,32 +147,38 @@ class SharedRamDevice(Device, InPlaceWrites):
         offset = self._extents.allocate(nbytes)
         if offset is None:
             return None
-        return SharedSpan(self._region_offset + offset, nbytes, _Object(offset, nbytes))
+        return SharedSpan(self._region_offset + offset, nbytes, None)  # No record until adopted.
 
     def adopt(self, key: bytes, span: SharedSpan) -> None:
-        found = span.token
-        assert isinstance(found, _Object) and found.pins == 0 and not found.retired, found
-        with self._lock:
-            self._retire(self._objects.get(key))
-            self._objects[bytes(key)] = found
-            self._used_bytes += found.length
+        assert span.token is None, "adopted twice, or not a reservation"
+        self._store(key, span.offset - self._region_offset, span.length)
 
     def abandon(self, span: SharedSpan) -> None:
-        found = span.token
-        assert isinstance(found, _Object) and found.pins == 0 and not found.retired, found
-        self._extents.free(found.offset)
+        assert span.token is None, "abandoned after adoption, or not a reservation"
+        self._extents.free(span.offset - self._region_offset, span.length)
 
     # -- internals -----------------------------------------------------------
 
-    def _retire(self, found: _Object | None) -> None:
-        """Under the lock: the object is gone for new readers; free it once unread."""
-        if found is None:
-            return
-        found.retired = True
-        if found.pins == 0:
-            self._free(found)
+    def _store(self, key: bytes, offset: int, length: int) -> None:
+        """Make the bytes at ``offset`` the value of ``key``, retiring any older value."""
+        assert offset % PAGE_BYTES == 0, offset
+        with self._lock:
+            table = self._table
+            self._retire(table.detach(key))
+            record = table.insert(key)
+            table.set(record, _OFFSET, offset // PAGE_BYTES)
+            table.set(record, _LENGTH, length)
+            self._used_bytes += length
 
-    def _free(self, found: _Object) -> None:
-        self._extents.free(found.offset)
-        self._used_bytes -= found.length
+    def _retire(self, record: int) -> None:
+        """Under the lock: a value gone for new readers (detached); freed once unread."""
+        if record != NO_RECORD and self._table.get(record, _PINS) == 0:
+            self._free(record)
+
+    def _free(self, record: int) -> None:
+        table = self._table
+        length = table.get(record, _LENGTH)
+        self._extents.free(table.get(record, _OFFSET) * PAGE_BYTES, length)
+        table.release(record)
+        self._used_bytes -= length
         assert self._used_bytes >= 0

@@ -33,11 +33,11 @@ def test_ring_extents_never_overlap_and_all_come_back(ops: list[tuple[bool, int]
             held[offset] = round_up(size)
         else:
             offset = next(iter(held))
-            assert ring.free(offset) == held.pop(offset)
+            assert ring.free(offset, held[offset]) == held.pop(offset)
         ring.check()
         assert ring.free_bytes == ring.size - sum(held.values())
-    for offset in list(held):
-        ring.free(offset)
+    for offset, length in held.items():
+        ring.free(offset, length)
     ring.check()
     assert ring.free_bytes == ring.size
     assert ring.allocate(ring.size) == 0, "everything coalesced back into one extent"
@@ -55,7 +55,7 @@ def test_ring_waiter_gets_room_when_it_is_freed() -> None:
     got: list[int | None] = []
     waiter = threading.Thread(target=lambda: got.append(ring.allocate(PAGE_BYTES, time.monotonic() + 30)))
     waiter.start()
-    ring.free(first)  # Whether the waiter is already waiting or not, it gets the room.
+    ring.free(first, 4 * PAGE_BYTES)  # Whether the waiter is already waiting or not, it gets the room.
     waiter.join(30)
     assert got == [0]
 
@@ -70,9 +70,9 @@ def test_freeing_twice_is_caught() -> None:
     ring = Extents(4 * PAGE_BYTES)
     offset = ring.allocate(PAGE_BYTES)
     assert offset is not None
-    ring.free(offset)
-    with pytest.raises(AssertionError, match="not allocated"):
-        ring.free(offset)
+    ring.free(offset, PAGE_BYTES)
+    with pytest.raises(AssertionError, match="freed twice"):
+        ring.free(offset, PAGE_BYTES)
 
 
 # -- /dev/shm sizing -------------------------------------------------------------
