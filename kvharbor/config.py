@@ -70,7 +70,7 @@ class GatewaySection(_Section):
     embedded_start_timeout_ms: int = Field(20000, gt=0)
     stop_timeout_ms: int = Field(5000, gt=0, description="how long a stopping gateway waits for requests in flight")
     clients_max: int = Field(64, gt=0)
-    checksum_threads: int = Field(4, gt=0, le=64, description="threads that checksum a put batch's values at once")
+    checksum_threads: int = Field(8, gt=0, le=64, description="threads that checksum a put batch's values at once")
     """A GPU writes values in place by DMA at tens of GB/s; one thread checksums ~10."""
     message_bytes_max: int = Field(1 * MIB, ge=128 * 1024, description="largest control message in bytes")
     """At least 128 KiB: a full batch (4096 keys with their sizes) must fit in one message."""
