@@ -388,11 +388,7 @@ class PutCommit(Message):
     by the writer while the bytes were in its cache; empty: the gateway takes them."""
 
     def body(self) -> bytes:
-        return (
-            _U64.pack(self.batch)
-            + _U32.pack(len(self.checksums))
-            + b"".join(_U64.pack(c) for c in self.checksums)
-        )
+        return _U64.pack(self.batch) + _U32.pack(len(self.checksums)) + b"".join(_U64.pack(c) for c in self.checksums)
 
     @classmethod
     def parse(cls, reader: _Reader) -> PutCommit:
