@@ -40,3 +40,39 @@ def test_a_pinned_value_outlives_replace_and_delete_until_unpinned() -> None:
     device.unpin(span)
     device.put(b"x" * 16, [b"C" * PAGE_BYTES])  # Unpinned and retired: its page is free again.
     assert device.usage().used_bytes == PAGE_BYTES
+
+
+# -- writes in place -----------------------------------------------------------------
+
+
+def test_a_reserved_place_is_invisible_until_adopted_and_then_replaces_the_old_value() -> None:
+    device, segment = make(pages=3)
+    key = b"k" * 16
+    device.put(key, [b"A" * PAGE_BYTES])
+    old = device.pin(key)
+    assert old is not None
+    place = device.reserve(PAGE_BYTES)
+    assert place is not None and place.offset >= OFFSET
+    segment[place.offset : place.offset + PAGE_BYTES] = b"B" * PAGE_BYTES
+    assert device.size(key) == PAGE_BYTES and bytes(device.view(old)) == b"A" * PAGE_BYTES
+    device.adopt(key, place)
+    new = device.pin(key)
+    assert new is not None and new.offset == place.offset
+    assert bytes(device.view(new)) == b"B" * PAGE_BYTES
+    assert bytes(device.view(old)) == b"A" * PAGE_BYTES, "a reader of the old value keeps it"
+    assert device.reserve(PAGE_BYTES) is not None  # The third page.
+    assert device.reserve(PAGE_BYTES) is None, "the old value's page is still pinned"
+    device.unpin(old)
+    assert device.reserve(PAGE_BYTES) is not None, "and is free once unpinned"
+    device.unpin(new)
+    assert device.usage().used_bytes == PAGE_BYTES and device.usage().keys == 1
+
+
+def test_an_abandoned_place_is_free_again_and_never_seen() -> None:
+    device, _ = make(pages=1)
+    place = device.reserve(100)
+    assert place is not None
+    assert device.reserve(100) is None
+    device.abandon(place)
+    assert device.reserve(100) is not None
+    assert device.usage().used_bytes == 0 and list(device.scan()) == []
