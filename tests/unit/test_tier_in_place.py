@@ -8,7 +8,7 @@ import os
 import pytest
 
 from kvharbor.cache.breaker import BreakerSettings, BreakerState, CircuitBreaker
-from kvharbor.cache.format import HEADER_BYTES, Codec, checksum, copy_with_checksum
+from kvharbor.cache.format import COPY_SLICE_BYTES, HEADER_BYTES, Codec, checksum, copy_with_checksum
 from kvharbor.cache.index import MemoryIndex
 from kvharbor.cache.keys import ChunkKey, LayoutFingerprint
 from kvharbor.cache.store import TieredStore
@@ -147,7 +147,7 @@ def test_the_writers_checksum_is_the_one_stored_and_a_verified_read_checks_it() 
     assert tier.counters.corrupt == 1
 
 
-@pytest.mark.parametrize("nbytes", [1, 4095, 256 * 1024, 256 * 1024 + 1, 3 * 256 * 1024 - 7])
+@pytest.mark.parametrize("nbytes", [1, 4095, COPY_SLICE_BYTES, COPY_SLICE_BYTES + 1, 3 * COPY_SLICE_BYTES - 7])
 def test_copy_with_checksum_copies_and_hashes_every_byte(nbytes: int) -> None:
     value = os.urandom(nbytes)
     into = memoryview(bytearray(nbytes))
