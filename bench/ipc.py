@@ -11,6 +11,10 @@ Against a real ``kvharbor gateway`` subprocess with a RAM tier, in one run:
   checksum as it goes) and a get is served in place, so a put and a get each
   move the payload once, as the reference does: the physical limit of
   ``transport_vs_memcpy`` is 1.0.
+- **several clients**: with 2 and 8 client processes at once (``--clients``),
+  their aggregate put+get throughput beside the same processes' memcpy
+  reference at once (``transport_vs_memcpy_c2``, ``_c8``): on a machine with
+  fewer cores than clients both share the cores.
 - **round trips**: p50 and p99 of a LOOKUP of one key, with 1, 2 and 8 client
   processes at once (``--clients``).
 - **memory**: the gateway's anonymous RSS per stored key, after ``--keys``
@@ -206,6 +210,63 @@ def scratch_shm(nbytes: int) -> memoryview:
         os.close(fd)
 
 
+def _throughput_client(
+    section: GatewaySection, nbytes: int, rounds: int, slots: int, barrier: Any, results: Any
+) -> None:
+    """One of several clients: ``rounds`` put+get of its own values, then ``rounds`` of
+    the memcpy reference through its own shared memory, each phase started together
+    with the other clients (``barrier``). Reports (bytes moved, seconds) per phase."""
+    client = GatewayClient.connect(section, f"bench-throughput-{os.getpid()}")
+    payload = bytearray(os.urandom(nbytes))
+    out = memoryview(bytearray(nbytes))
+    out[:] = payload
+    scratch = scratch_shm(slots * nbytes)
+    prefix = os.urandom(8)
+    moved = 0
+    barrier.wait()
+    start = time.perf_counter()
+    for round_ in range(rounds):
+        key = prefix + round_.to_bytes(8, "little")
+        batch = client.prepare_put(FINGERPRINT, [(key, nbytes)])
+        if batch.views[0] is not None:  # Else the ring had no room in time: nothing moved.
+            batch.write(0, payload)
+        client.commit_put(batch)
+        got = client.get(FINGERPRINT, [key])
+        for view in got.views:  # Evicted by the other clients' puts meanwhile: none.
+            out[:] = view
+        client.release(got)
+        moved += (batch.views[0] is not None) * nbytes + len(got.views) * nbytes
+    transport_s = time.perf_counter() - start
+    barrier.wait()
+    start = time.perf_counter()
+    for round_ in range(rounds):
+        slot = scratch[(round_ % slots) * nbytes : (round_ % slots + 1) * nbytes]
+        slot[:] = payload
+        out[:] = slot
+    memcpy_s = time.perf_counter() - start
+    client.close()
+    scratch.release()
+    results.put((moved, transport_s, 2 * rounds * nbytes, memcpy_s))
+
+
+def throughput_clients(section: GatewaySection, nbytes: int, rounds: int, clients: int) -> dict[str, float]:
+    """Aggregate put+get throughput of ``clients`` processes at once, beside the same
+    processes' memcpy reference at once (each phase ends with its slowest process)."""
+    context = multiprocessing.get_context("spawn")
+    barrier = context.Barrier(clients)
+    results = context.Queue()
+    args = (section, nbytes, rounds, RAM_TIER_PAYLOADS + 1, barrier, results)
+    workers = [context.Process(target=_throughput_client, args=args) for _ in range(clients)]
+    for worker in workers:
+        worker.start()
+    reports = [results.get(timeout=600) for _ in workers]
+    for worker in workers:
+        worker.join(60)
+    transport = sum(r[0] for r in reports) / max(r[1] for r in reports)
+    memcpy = sum(r[2] for r in reports) / max(r[3] for r in reports)
+    return {"transport_gb_per_s": transport / 1e9, "memcpy_gb_per_s": memcpy / 1e9}
+
+
 # -- round trips --------------------------------------------------------------------
 
 
@@ -365,6 +426,17 @@ def main() -> None:
             beside = round_trips_beside_bulk(section, key, args.samples, nbytes)
             figures["rtt_p50_us_beside_bulk"] = percentile(beside, 0.50) / 1e3
             figures["rtt_p99_us_beside_bulk"] = percentile(beside, 0.99) / 1e3
+        several = [c for c in counts if c > 1]
+        if several:
+            # Room for two values per client in the RAM tier and in flight: a client's
+            # value is not evicted by the others' before it reads it back.
+            values = 2 * max(several)
+            ram_gb = (values * args.payload_mb + 1) / 1024
+            with gateway(directory, values * args.payload_mb, ram_gb, max(args.payload_mb * 2, 64)) as (section, _):
+                for clients in several:
+                    many = throughput_clients(section, nbytes, max(4, args.rounds // 2), clients)
+                    figures[f"transport_gb_per_s_c{clients}"] = many["transport_gb_per_s"]
+                    figures[f"memcpy_gb_per_s_c{clients}"] = many["memcpy_gb_per_s"]
         ring_mb_small = 64
         ram_gb = max(0.5, args.keys * (args.value_bytes + 200) / 2**30)
         with gateway(directory, ring_mb_small, ram_gb, value_mb_max=1) as (section, pid):
@@ -376,6 +448,11 @@ def main() -> None:
         "transport_vs_memcpy": figures["transport_gb_per_s"] / figures["memcpy_gb_per_s"],
         "transport_vs_hot_memcpy": figures["transport_gb_per_s"] / figures["hot_memcpy_gb_per_s"],
         "transport_dma_style_vs_memcpy": figures["transport_dma_style_gb_per_s"] / figures["memcpy_dma_style_gb_per_s"],
+        **{
+            f"transport_vs_memcpy_c{c}": figures[f"transport_gb_per_s_c{c}"] / figures[f"memcpy_gb_per_s_c{c}"]
+            for c in counts
+            if c > 1
+        },
         "put_vs_memcpy": figures["put_gb_per_s"] / figures["memcpy_gb_per_s"],
         "get_vs_memcpy": figures["get_gb_per_s"] / figures["memcpy_gb_per_s"],
         "rtt_p50_vs_target": figures["rtt_p50_us"] / TARGETS["rtt_p50_us"],
@@ -398,6 +475,12 @@ def main() -> None:
         f"put+get     {figures['transport_dma_style_gb_per_s']:6.2f} GB/s = "
         f"{ratios['transport_dma_style_vs_memcpy']:.2f} x memcpy, writing as a GPU client does (no page protection)"
     )
+    for clients in (c for c in counts if c > 1):
+        print(
+            f"put+get, {clients} clients at once: {figures[f'transport_gb_per_s_c{clients}']:6.2f} GB/s = "
+            f"{ratios[f'transport_vs_memcpy_c{clients}']:.2f} x {clients} memcpys at once "
+            f"({figures[f'memcpy_gb_per_s_c{clients}']:.2f} GB/s)"
+        )
     for clients in counts:
         suffix = "" if clients == 1 else f"_c{clients}"
         print(
