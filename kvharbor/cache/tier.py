@@ -44,8 +44,9 @@ from kvharbor.telemetry.log import OnceLog, get_logger
 
 _log = get_logger("kvharbor.cache.tier")
 
-LRU_SCAN_ENTRIES_MAX = 4096
-"""Entries looked at, least recent first, to free room for one value written in place."""
+LRU_SCAN_ENTRIES = (16, 4096)
+"""Entries looked at, least recent first, to free room for one value written in place: a
+few usually do (values are of a size); more only when the oldest are pinned."""
 
 BufferSource = Callable[[int], memoryview]
 """Hands out a writable buffer of exactly the asked size for a read to land in."""
@@ -306,10 +307,7 @@ class Tier:
         if not self._verify_shared(key, fingerprint, len(parts)):
             self._forget(entry)
             return False
-        self._once.clear(f"full:{self.name}")
-        self._ok()
-        self._count(puts=1, put_bytes=entry.nbytes)
-        return True
+        return self._stored(entry)
 
     def reserve(self, key: bytes, fingerprint: bytes, nbytes: int, pinned: frozenset[bytes]) -> Reservation | None:
         """Room to write a value of ``nbytes`` where this tier will keep it, or None:
@@ -376,10 +374,7 @@ class Tier:
             self.drop(victims)
         device.view(span)[:HEADER_BYTES] = part.header
         device.adopt(key, span)
-        self._once.clear(f"full:{self.name}")
-        self._ok()
-        self._count(puts=1, put_bytes=entry.nbytes)
-        return True
+        return self._stored(entry)
 
     def abandon(self, reservation: Reservation) -> None:
         """Give back a reservation that will not be completed."""
@@ -466,17 +461,28 @@ class Tier:
         self._count(skipped=1)
         return False
 
+    def _stored(self, entry: Entry) -> bool:
+        """A value is stored: the tier is not full, and answers."""
+        self._once.clear(f"full:{self.name}")
+        self._ok()
+        self._count(puts=1, put_bytes=entry.nbytes)
+        return True
+
     def _least_recent(self, nbytes: int, pinned: frozenset[bytes]) -> list[Entry]:
         """Take least recently used entries worth at least ``nbytes`` out of the index
         (never ``pinned`` ones); the caller drops their bytes."""
-        victims: list[Entry] = []
-        freed = 0
-        for candidate in self.index.lru(LRU_SCAN_ENTRIES_MAX):
-            if freed >= nbytes:
+        for limit in LRU_SCAN_ENTRIES:
+            candidates = self.index.lru(limit)
+            victims: list[Entry] = []
+            freed = 0
+            for candidate in candidates:
+                if freed >= nbytes:
+                    break
+                if candidate.key not in pinned:
+                    victims.append(candidate)
+                    freed += candidate.nbytes
+            if freed >= nbytes or len(candidates) < limit:
                 break
-            if candidate.key not in pinned:
-                victims.append(candidate)
-                freed += candidate.nbytes
         self.index.remove([victim.key for victim in victims])
         return victims
 

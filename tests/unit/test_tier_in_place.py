@@ -153,3 +153,13 @@ def test_copy_with_checksum_copies_and_hashes_every_byte(nbytes: int) -> None:
     into = memoryview(bytearray(nbytes))
     assert copy_with_checksum(value, into) == checksum(value)
     assert bytes(into) == value
+
+
+def test_room_is_found_past_a_long_run_of_pinned_least_recent_values() -> None:
+    tier = shared_tier(pages=20, capacity_pages=40)
+    keys = [new_key() for _ in range(20)]
+    for key in keys:
+        assert write(tier, key, os.urandom(VALUE_BYTES))
+    pinned = frozenset(keys[:17])  # More than the first look at the least recent.
+    assert write(tier, new_key(), os.urandom(VALUE_BYTES), pinned=pinned)
+    assert tier.contains(keys) == [True] * 17 + [False, True, True]
