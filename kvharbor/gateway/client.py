@@ -100,7 +100,7 @@ class PutBatch:
     in_place: list[tuple[int, int]]
     """(offset, length) of the views that lie in a RAM tier, writable until the commit."""
     checksums: list[int | None] = field(default_factory=list)
-    """Per view, the checksum of what `write` copied into it."""
+    """Per view, the checksum of what `write` copied into it, or None."""
 
     def write(self, index: int, value: Buffer) -> None:
         """Copy ``value`` into view ``index`` and keep its checksum, taken during the
@@ -109,14 +109,10 @@ class PutBatch:
         itself unless every view was filled with `write`."""
         view = self.views[index]
         assert view is not None, f"value {index} is skipped: nothing to write"
-        if not self.checksums:
-            self.checksums.extend([None] * len(self.views))
         self.checksums[index] = copy_with_checksum(value, view)
 
     def commit_checksums(self) -> list[int]:
         """The checksums to send with the commit: one per view, or none at all."""
-        if not self.checksums:
-            return []
         taken = [c for c, view in zip(self.checksums, self.views, strict=True) if view is not None]
         return [c for c in taken if c is not None] if None not in taken else []
 
@@ -225,7 +221,7 @@ class GatewayClient:
                 in_place.append((offset, size))
         if in_place:
             self._protect(in_place, writable=True)
-        return PutBatch(ready.batch, views, in_place)
+        return PutBatch(ready.batch, views, in_place, [None] * len(views))
 
     def commit_put(self, batch: PutBatch) -> int:
         if batch.in_place:
