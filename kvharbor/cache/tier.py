@@ -272,22 +272,11 @@ class Tier:
             return False
         try:
             parts = encode(key, fingerprint, value, self.codec, self.device.max_value_bytes)
-            entry = Entry(bytes(key), sum(p.nbytes for p in parts), len(parts))
-            victims = self.index.admit(entry, self.capacity_bytes, pinned)
-        except DeviceError as err:
-            self._index_fault(err)
+        except ValueError as err:
+            return self._unstorable(err)
+        entry = Entry(bytes(key), sum(p.nbytes for p in parts), len(parts))
+        if not self._admit(entry, pinned, on_evict):
             return False
-        except (OverBudget, ValueError) as err:
-            # Nothing reached the device, so there is no outcome to judge; a
-            # half-open breaker gets its one trial back (else it stays half-open
-            # with a trial that never reports, and the tier is skipped for good).
-            self.breaker.cancel()
-            self._once.say(f"unstorable:{self.name}", f"tier '{self.name}': {err}; not stored")
-            return False
-        if victims:
-            if on_evict is not None:
-                on_evict(victims)
-            self.drop(victims)
         try:
             for part in parts:
                 self.device.put(part.device_key, [part.header, part.payload])
@@ -357,21 +346,9 @@ class Tier:
         (part,) = encode(key, fingerprint, reservation.payload, Codec.NONE, device.max_value_bytes, value_checksum)
         entry = Entry(key, part.nbytes, 1)
         assert entry.nbytes == span.length, (entry.nbytes, span.length)
-        try:
-            victims = self.index.admit(entry, self.capacity_bytes, pinned | {key})
-        except DeviceError as err:
+        if not self._admit(entry, pinned | {key}, on_evict):
             device.abandon(span)
-            self._index_fault(err)
             return False
-        except OverBudget as err:
-            device.abandon(span)
-            self.breaker.cancel()
-            self._once.say(f"unstorable:{self.name}", f"tier '{self.name}': {err}; not stored")
-            return False
-        if victims:
-            if on_evict is not None:
-                on_evict(victims)
-            self.drop(victims)
         device.view(span)[:HEADER_BYTES] = part.header
         device.adopt(key, span)
         return self._stored(entry)
@@ -459,6 +436,33 @@ class Tier:
         if self.breaker.allow():
             return True
         self._count(skipped=1)
+        return False
+
+    def _admit(
+        self, entry: Entry, pinned: frozenset[bytes], on_evict: Callable[[Sequence[Entry]], None] | None
+    ) -> bool:
+        """Have the index take ``entry``, handing what it lets go to ``on_evict`` and
+        then deleting those bytes; False (said and counted) if it cannot."""
+        try:
+            victims = self.index.admit(entry, self.capacity_bytes, pinned)
+        except DeviceError as err:
+            self._index_fault(err)
+            return False
+        except OverBudget as err:
+            return self._unstorable(err)
+        if victims:
+            if on_evict is not None:
+                on_evict(victims)
+            self.drop(victims)
+        return True
+
+    def _unstorable(self, err: Exception) -> bool:
+        """A value this tier cannot take (too large, too many fragments); always False."""
+        # Nothing reached the device, so there is no outcome to judge; a half-open
+        # breaker gets its one trial back (else it stays half-open with a trial
+        # that never reports, and the tier is skipped for good).
+        self.breaker.cancel()
+        self._once.say(f"unstorable:{self.name}", f"tier '{self.name}': {err}; not stored")
         return False
 
     def _stored(self, entry: Entry) -> bool:

@@ -24,7 +24,7 @@ import yaml
 
 from kvharbor.cache.keys import KEY_BYTES
 from kvharbor.config import Config, load_config
-from kvharbor.gateway.client import GatewayClient
+from kvharbor.gateway.client import GatewayClient, PutBatch
 
 WAIT_S = 30.0
 """Bound on every wait for a process or a condition; far above what a healthy run needs."""
@@ -228,10 +228,17 @@ def closing_client(client: GatewayClient) -> Iterator[GatewayClient]:
 def put_values(client: GatewayClient, items: list[tuple[bytes, int]]) -> int:
     """Put ``value_for(key, size)`` for each item, skipping what the gateway skips; returns stored."""
     batch = client.prepare_put(FINGERPRINT, items)
+    fill(batch, items, skipped_ok=True)
+    return client.commit_put(batch)
+
+
+def fill(batch: PutBatch, items: list[tuple[bytes, int]], skipped_ok: bool = False) -> None:
+    """Copy ``value_for(key, size)`` into each view of a prepared put; a skipped value
+    fails the test unless ``skipped_ok``."""
     for view, (key, size) in zip(batch.views, items, strict=True):
+        assert view is not None or skipped_ok, f"{key.hex()} was skipped"
         if view is not None:
             view[:] = value_for(key, size)
-    return client.commit_put(batch)
 
 
 def get_values(client: GatewayClient, keys: list[bytes]) -> list[bytes]:

@@ -18,6 +18,7 @@ from gateway_harness import (
     GatewayProcess,
     Lab,
     closing_client,
+    fill,
     get_values,
     keys_of,
     put_values,
@@ -41,9 +42,7 @@ def test_gateway_killed_between_prepare_and_commit(started: Callable[..., Gatewa
         batch = client.prepare_put(FINGERPRINT, items)
         gateway.kill()
         # The segment stays mapped: writing into it after the gateway died is safe.
-        for view, (key, size) in zip(batch.views, items, strict=True):
-            assert view is not None
-            view[:] = value_for(key, size)
+        fill(batch, items)
         with pytest.raises(GatewayUnavailable, match="connection lost"):
             client.commit_put(batch)
         assert client.down is not None

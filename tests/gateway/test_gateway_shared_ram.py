@@ -15,6 +15,7 @@ from gateway_harness import (
     GatewayProcess,
     Lab,
     closing_client,
+    fill,
     get_values,
     keys_of,
     put_values,
@@ -130,9 +131,7 @@ def test_in_flight_puts_in_place_are_bounded_by_the_ring(started: Callable[..., 
         offsets = [address_in(client, view) for view in batch.views]
         # Two fit the ring's worth of in-flight bytes in place; the third goes through the ring.
         assert [offset >= ring for offset in offsets] == [True, True, False]
-        for view, (key, size) in zip(batch.views, items, strict=True):
-            assert view is not None
-            view[:] = value_for(key, size)
+        fill(batch, items)
         assert client.commit_put(batch) == 3
         assert get_values(client, [k for k, _ in items]) == [value_for(k, n) for k, n in items]
         shm = client.status()["shm"]
@@ -150,9 +149,7 @@ def test_puts_go_through_the_ring_when_the_first_tier_is_not_in_shared_memory(
         batch = client.prepare_put(FINGERPRINT, items)
         assert all(address_in(client, view) < client.hello.ring_bytes for view in batch.views)
         assert batch.in_place == []
-        for view, (key, size) in zip(batch.views, items, strict=True):
-            assert view is not None
-            view[:] = value_for(key, size)
+        fill(batch, items)
         assert client.commit_put(batch) == 2
         assert get_values(client, [k for k, _ in items]) == [value_for(k, n) for k, n in items]
 
