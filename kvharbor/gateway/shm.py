@@ -109,6 +109,11 @@ def segment_path(directory: Path, shm_name: str, pid: int) -> Path:
     return directory / f"{shm_name}.{pid}"
 
 
+def address_of(view: memoryview) -> int:
+    """Address of a writable buffer's first byte (the view itself is left unexported)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
 class Segment:
     """A mapped shared-memory file; ``view`` is the whole of it as bytes.
 
@@ -190,7 +195,7 @@ class Segment:
                 runs[-1][1] = max(runs[-1][1], end)
             else:
                 runs.append([start, end])
-        base = ctypes.addressof(ctypes.c_char.from_buffer(self.view))
+        base = address_of(self.view)
         protection = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
         for start, end in runs:
             if _libc.mprotect(ctypes.c_void_p(base + start), ctypes.c_size_t(end - start), protection) != 0:

@@ -17,7 +17,6 @@ first tier evict more than a ring's worth of stored values.
 
 from __future__ import annotations
 
-import ctypes
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -29,7 +28,7 @@ from kvharbor.cache.store import TieredStore
 from kvharbor.cache.tier import Reservation, SharedHit
 from kvharbor.config import MIB, Config
 from kvharbor.gateway import protocol as p
-from kvharbor.gateway.shm import Segment
+from kvharbor.gateway.shm import Segment, address_of
 from kvharbor.hal.extents import Extents
 
 Progress = Callable[[int], None]
@@ -68,7 +67,7 @@ class Transfers:
         self._count = count
         self._ring_wait_s = config.gateway.ring_wait_ms / 1000
         self._value_max = config.storage.value_mb_max * MIB
-        self._segment_address = _address(segment.view)
+        self._segment_address = address_of(segment.view)
         self._batch_ids = iter(range(1, 2**63))
         self._batch_lock = threading.Lock()
         self._checksummers = ThreadPoolExecutor(config.gateway.checksum_threads, "kvharbor-checksum")
@@ -224,11 +223,11 @@ class Transfers:
         """(offset, length) of ``value`` in the segment, copying it there if it is elsewhere
         (a compressed or fragmented value is reassembled outside the segment)."""
         if value.obj is self.segment.map:
-            offset = _address(value) - self._segment_address
+            offset = address_of(value) - self._segment_address
         else:
             target = source(value.nbytes)
             target[:] = value
-            offset = _address(target) - self._segment_address
+            offset = address_of(target) - self._segment_address
         assert offset >= 0 and offset + value.nbytes <= self.segment.size, (offset, value.nbytes)
         return offset, value.nbytes
 
@@ -266,8 +265,3 @@ class Transfers:
     def _new_batch_id(self) -> int:
         with self._batch_lock:
             return next(self._batch_ids)
-
-
-def _address(view: memoryview) -> int:
-    """The memory address of a writable view's first byte (for offsets within the segment)."""
-    return ctypes.addressof(ctypes.c_char.from_buffer(view))

@@ -48,7 +48,7 @@ import torch
 from kvharbor.cache.bandwidth import keep_loading
 from kvharbor.connector.vllm.layout import ConnectorRefusal
 from kvharbor.connector.vllm.pages import find_block_dim
-from kvharbor.gateway.shm import ShmUnavailable
+from kvharbor.gateway.shm import ShmUnavailable, address_of
 from kvharbor.telemetry.log import OnceLog, get_logger
 
 if TYPE_CHECKING:  # Importable without vLLM (bench/gpu.py's data-path part needs none).
@@ -77,11 +77,6 @@ def _no_wait() -> None:
 
 class PinError(Exception):
     """Shared memory could not be page-locked for the GPU."""
-
-
-def address_of(view: memoryview) -> int:
-    """Address of a writable buffer's first byte (the view itself is left unexported)."""
-    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
 def cuda_host_register(address: int, nbytes: int) -> None:
