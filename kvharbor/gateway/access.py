@@ -34,7 +34,9 @@ from kvharbor.config import AccessSection
 
 SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
 """Linux >= 4.13; Python's socket module does not name it."""
-PEER_GROUPS_MAX = 1024
+PEER_GROUPS_MAX = 256
+"""Groups read per peer: Python's getsockopt buffer holds at most 1024 bytes. A peer in
+more groups is judged by its primary group alone (it may then be refused, never wrongly admitted)."""
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 # The binary form of a POSIX access ACL, as the kernel reads it from the
@@ -66,7 +68,7 @@ def peer_of(sock: socket.socket) -> Peer:
     pid, uid, gid = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
     try:
         raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, PEER_GROUPS_MAX * 4)
-    except OSError:  # An older kernel: the primary group only.
+    except OSError:  # An older kernel, or more groups than fit: the primary group only.
         raw = b""
     groups = struct.unpack(f"{len(raw) // 4}I", raw)
     return Peer(pid, uid, frozenset((gid, *groups)))

@@ -177,7 +177,10 @@ class GatewayClient:
             raise GatewayNotRunning(f"no gateway answers at {section.socket} ({err.strerror or err})") from None
         _kernel_timeouts(sock, section.request_timeout_ms)
         try:
-            send_message(sock, p.Hello(protocol, release, os.getpid(), client_name, section.config_digest), 0)
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                # A gateway that refuses this process at accept answers before it reads, and
+                # hangs up: its reason is still there to read.
+                send_message(sock, p.Hello(protocol, release, os.getpid(), client_name, section.config_digest), 0)
             _, reply = FrameReader(sock, section.message_bytes_max).message()
         except (OSError, PeerClosed, p.ProtocolError) as err:
             sock.close()
