@@ -341,6 +341,8 @@ class Gateway:
             "protocol": p.PROTOCOL_VERSION,
             "pid": os.getpid(),
             "socket": str(self.socket_path),
+            "config_digest": self.config.gateway.config_digest.short,
+            "access": self.access.describe(),
             "shm": {
                 "path": str(self.segment.path),
                 "bytes": self.segment.size,
