@@ -122,7 +122,12 @@ class AccessPolicy:
         owner = 0o7 if directory else _READ_WRITE
         group_rights = rights if self.gid is not None else 0
         if self.gid is not None:
-            os.chown(path, -1, self.gid, follow_symlinks=False)
+            try:
+                os.chown(path, -1, self.gid, follow_symlinks=False)
+            except PermissionError:
+                raise OSError(
+                    errno.EPERM, f"the gateway's user is not a member of gateway.access.group {self.section.group!r}"
+                ) from None
         os.chmod(path, owner << 6 | group_rights << 3)
         if self.uids:
             entries = [(_ACL_USER_OBJ, owner, _ACL_NO_ID)]

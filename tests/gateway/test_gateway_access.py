@@ -180,3 +180,13 @@ def test_a_socket_directory_the_user_cannot_write_is_explained(lab: Lab, shared:
     assert service.wait() == 2
     assert f"cannot open the gateway's lock {locked / 'gw.sock.lock'} (Permission denied)" in service.log()
     assert "check gateway.socket" in service.log()
+
+
+def test_a_group_the_gateway_user_is_not_in_stops_the_start(lab: Lab, shared: Path, other_user: OtherUser) -> None:
+    config_path = write_config(shared / "service", access={"group": "root"})
+    os.chown(config_path.parent, other_user.uid, other_user.gid)
+    gateway = lab.gateway(config_path, prefix=other_user.prefix())
+    gateway.start(expect_ready=False)
+    assert gateway.wait() == 2
+    assert "the gateway's user is not a member of gateway.access.group 'root'" in gateway.log()
+    assert not segments_of(gateway.config), "nothing left behind"
