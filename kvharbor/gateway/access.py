@@ -84,9 +84,9 @@ def user_name(uid: int) -> str:
 class AccessPolicy:
     """``gateway.access`` as the gateway applies it; its owner is the gateway's user."""
 
-    def __init__(self, section: AccessSection, owner_uid: int | None = None) -> None:
+    def __init__(self, section: AccessSection) -> None:
         self.section = section
-        self.owner_uid = os.geteuid() if owner_uid is None else owner_uid
+        self.owner_uid = os.geteuid()
         self.gid = section.gid
         self.uids = section.uids
 
@@ -128,6 +128,14 @@ class AccessPolicy:
                 raise OSError(
                     errno.EPERM, f"the gateway's user is not a member of gateway.access.group {self.section.group!r}"
                 ) from None
+        if not self.uids:
+            # No ACL but the mode: one left by an earlier setting, or inherited from the
+            # directory's default ACL, would grant more than this setting says.
+            try:
+                os.removexattr(path, _ACL_XATTR, follow_symlinks=False)
+            except OSError as err:
+                if err.errno not in (errno.ENODATA, errno.EOPNOTSUPP, errno.ENOTSUP):
+                    raise
         os.chmod(path, owner << 6 | group_rights << 3)
         if self.uids:
             entries = [(_ACL_USER_OBJ, owner, _ACL_NO_ID)]

@@ -126,6 +126,15 @@ def test_listed_users_are_admitted(lab: Lab, shared: Path, other_user: OtherUser
     assert mode(segment) == 0o660 and os.stat(segment).st_gid == 0, "the group bits are the ACL's mask"
     assert os.getxattr(segment, "system.posix_acl_access")
     assert probe(lab, gateway, other_user.popen()).startswith("admitted: checked ")
+    # Narrowed again, the next gateway on that socket leaves no grant of the old setting behind
+    # (its lock file is the old one's).
+    lock = gateway.config.gateway.socket + ".lock"
+    old_lock = os.stat(lock).st_ino
+    assert gateway.stop() == 0
+    narrowed = serve(lab, shared)
+    assert narrowed.config.gateway.socket + ".lock" == lock and os.stat(lock).st_ino == old_lock
+    assert "system.posix_acl_access" not in os.listxattr(lock) and mode(lock) == 0o600
+    assert probe(lab, narrowed, other_user.popen()).startswith("refused AccessDenied")
 
 
 def test_the_gateway_checks_credentials_not_only_file_modes(
