@@ -49,8 +49,10 @@ class EngineSection(_Section):
 
 
 def default_runtime_dir() -> Path:
-    base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
-    return Path(base) / "kvharbor"
+    """$XDG_RUNTIME_DIR/kvharbor, else /tmp/kvharbor-<uid>: a user's own either way, since a
+    gateway is owner-only by default (``gateway.access``) and the directory is made 0700."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    return Path(base) / "kvharbor" if base else Path("/tmp") / f"kvharbor-{os.geteuid()}"
 
 
 def default_cache_dir() -> Path:
@@ -326,7 +328,7 @@ def gateway_address(config: Config) -> GatewayAddress:
     digest it must serve. Engines, ``kvharbor gateway`` and ``kvharbor status --config``
     all find a config's gateway through this. A ``derived`` socket is
     ``<runtime dir>/gateway-<digest>.sock`` ($XDG_RUNTIME_DIR/kvharbor, else
-    /tmp/kvharbor) and a derived shm_name ``kvharbor-<digest>``, so each storage config
+    /tmp/kvharbor-<uid>) and a derived shm_name ``kvharbor-<digest>``, so each storage config
     has a gateway of its own; an explicit one is used as written."""
     gateway = config.gateway
     return GatewayAddress(Path(gateway.socket), gateway.shm_name, gateway.config_digest)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -202,6 +203,9 @@ def test_a_derived_gateway_is_the_configs_own_and_an_explicit_one_is_kept(
     spelt = validate_config({"storage": FILES, "gateway": {"socket": "derived", "shm_name": "derived"}})
     assert gateway_address(spelt) == first
     assert validate_config(spelt.model_dump(mode="json", serialize_as_any=True)) == spelt
+    # Without a runtime directory, a directory of the user's own in /tmp.
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    assert gateway_address(validate_config({"storage": FILES})).socket.parent == Path(f"/tmp/kvharbor-{os.geteuid()}")
 
 
 def test_access_names_that_do_not_exist_are_refused_naming_the_key() -> None:
