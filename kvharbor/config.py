@@ -65,27 +65,16 @@ DERIVED = "derived"
 derived from its `ConfigDigest` (see `gateway_address`)."""
 
 
-def _user_id(name: str | int) -> int:
-    """A user's uid, from its name or as given; ValueError names what is unknown."""
+def _account_id(name: str | int, kind: Literal["user", "group"]) -> int:
+    """A uid or gid, from its name on this host or as given; ValueError names what is unknown."""
     if isinstance(name, int):
         if name < 0:
-            raise ValueError(f"uid {name} is negative")
+            raise ValueError(f"{kind} id {name} is negative")
         return name
     try:
-        return pwd.getpwnam(name).pw_uid
+        return pwd.getpwnam(name).pw_uid if kind == "user" else grp.getgrnam(name).gr_gid
     except KeyError:
-        raise ValueError(f"no user named {name!r} on this host") from None
-
-
-def _group_id(name: str | int) -> int:
-    if isinstance(name, int):
-        if name < 0:
-            raise ValueError(f"gid {name} is negative")
-        return name
-    try:
-        return grp.getgrnam(name).gr_gid
-    except KeyError:
-        raise ValueError(f"no group named {name!r} on this host") from None
+        raise ValueError(f"no {kind} named {name!r} on this host") from None
 
 
 class AccessSection(_Section):
@@ -106,23 +95,23 @@ class AccessSection(_Section):
     @classmethod
     def _known_group(cls, value: str | int | None) -> str | int | None:
         if value is not None:
-            _group_id(value)
+            _account_id(value, "group")
         return value
 
     @field_validator("users")
     @classmethod
     def _known_users(cls, value: list[str | int]) -> list[str | int]:
         for user in value:
-            _user_id(user)
+            _account_id(user, "user")
         return value
 
     @property
     def gid(self) -> int | None:
-        return None if self.group is None else _group_id(self.group)
+        return None if self.group is None else _account_id(self.group, "group")
 
     @property
     def uids(self) -> frozenset[int]:
-        return frozenset(_user_id(user) for user in self.users)
+        return frozenset(_account_id(user, "user") for user in self.users)
 
     @property
     def widened(self) -> bool:

@@ -213,7 +213,7 @@ def test_access_names_that_do_not_exist_are_refused_naming_the_key() -> None:
         validate_config({"gateway": {"access": {"group": "no-such-group-kvh"}}})
     with pytest.raises(ConfigError, match=r"gateway\.access\.users: no user named 'no-such-user-kvh'"):
         validate_config({"gateway": {"access": {"users": ["root", "no-such-user-kvh"]}}})
-    with pytest.raises(ConfigError, match=r"gateway\.access\.users: uid -1 is negative"):
+    with pytest.raises(ConfigError, match=r"gateway\.access\.users: user id -1 is negative"):
         validate_config({"gateway": {"access": {"users": [-1]}}})
     with pytest.raises(ConfigError, match=r"gateway\.access\.grop"):
         validate_config({"gateway": {"access": {"grop": "root"}}})
