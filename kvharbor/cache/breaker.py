@@ -6,6 +6,13 @@ misses, its puts are dropped) for ``cooldown_s``. Then one trial operation is
 let through (*half-open*): success closes the breaker, failure opens it again.
 Skipping a sick tier is what keeps a dying disk from adding its timeouts to
 every request's time to first token.
+
+Every operation runs inside an `Attempt` (``with breaker.attempt() as attempt``).
+The half-open trial belongs to one attempt; when that attempt ends without an
+outcome (a miss found before storage was asked, a value the tier cannot take,
+an early return of any kind), leaving the ``with`` hands the trial back. So no
+path can leave the breaker half-open with a trial that never reports, which
+would skip the tier until the process restarts.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import TracebackType
 
 
 class BreakerState(enum.Enum):
@@ -44,6 +52,8 @@ class CircuitBreaker:
         self._state = BreakerState.CLOSED
         self._opened_at = 0.0
         self._trial_running = False
+        self._trials = 0
+        """Trials handed out so far; an attempt knows its trial by this number."""
         self.opened_total = 0
         self._lock = threading.Lock()
 
@@ -53,16 +63,22 @@ class CircuitBreaker:
             self._advance()
             return self._state
 
-    def allow(self) -> bool:
-        """May an operation run now? In half-open, only one trial at a time."""
+    def attempt(self) -> Attempt:
+        """One operation's permission, to hold in a ``with`` for the operation's length.
+
+        Closed: allowed. Half-open: the first attempt is allowed as the trial,
+        others are not until it ends. Open: not allowed. See the module docstring
+        for what leaving the ``with`` does.
+        """
         with self._lock:
             self._advance()
             if self._state is BreakerState.CLOSED:
-                return True
+                return Attempt(self, allowed=True, trial=0)
             if self._state is BreakerState.HALF_OPEN and not self._trial_running:
                 self._trial_running = True
-                return True
-            return False
+                self._trials += 1
+                return Attempt(self, allowed=True, trial=self._trials)
+            return Attempt(self, allowed=False, trial=0)
 
     def record(self, ok: bool) -> BreakerState:
         """Count one finished operation; returns the state after it."""
@@ -87,15 +103,11 @@ class CircuitBreaker:
                 self._open()
             return self._state
 
-    def cancel(self) -> None:
-        """Forget an allowed operation that never reached storage: nothing to judge.
-
-        In half-open this hands the one trial back, so that the next operation
-        may be the trial; without it the breaker would wait forever for an
-        outcome that never comes.
-        """
+    def _end(self, trial: int) -> None:
+        """An attempt ended: if it held the trial and nothing reported since, hand it back."""
         with self._lock:
-            self._trial_running = False
+            if trial and trial == self._trials and self._state is BreakerState.HALF_OPEN:
+                self._trial_running = False
 
     def _advance(self) -> None:
         cooled = self._clock() - self._opened_at >= self.settings.cooldown_s
@@ -112,3 +124,30 @@ class CircuitBreaker:
         self._state = BreakerState.CLOSED
         self._outcomes.clear()
         self._failures = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """One operation under a breaker (see `CircuitBreaker.attempt`).
+
+    The operation's outcome is reported with `CircuitBreaker.record`; an attempt
+    that ends without one, by any path, gives its trial back on leaving the
+    ``with`` (or on `end`, for an attempt that spans two calls, like a
+    reservation that is completed or abandoned later).
+    """
+
+    breaker: CircuitBreaker
+    allowed: bool
+    trial: int
+    """The half-open trial this attempt holds; 0 when it holds none."""
+
+    def end(self) -> None:
+        self.breaker._end(self.trial)
+
+    def __enter__(self) -> Attempt:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        self.end()

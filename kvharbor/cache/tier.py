@@ -12,9 +12,10 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field, fields
 
-from kvharbor.cache.breaker import BreakerState, CircuitBreaker
+from kvharbor.cache.breaker import Attempt, BreakerState, CircuitBreaker
 from kvharbor.cache.format import (
     HEADER_BYTES,
     Codec,
@@ -102,6 +103,8 @@ class Reservation:
     span: SharedSpan
     payload: memoryview
     """The value's bytes: the span less the header room before them."""
+    attempt: Attempt
+    """The breaker's attempt this put runs under, ended by `Tier.complete` or `Tier.abandon`."""
 
     @property
     def payload_offset(self) -> int:
@@ -179,8 +182,13 @@ class Tier:
         reads it. ``touch=False`` leaves recency to the caller, who can mark a
         whole prefix at once, its head last (see `TieredStore.get_many`).
         """
-        if not self._allow():
-            return None
+        with self._attempt() as attempt:
+            if not attempt.allowed:
+                return None
+            return self._read_verified(key, fingerprint, source, touch)
+
+    def _read_verified(self, key: bytes, fingerprint: bytes, source: BufferSource, touch: bool) -> memoryview | None:
+        """`read`'s body, run under the breaker's attempt."""
         self._count(gets=1)
         try:
             value = decode(key, fingerprint, self._read_part_fn(key, source))
@@ -188,7 +196,7 @@ class Tier:
             self._corrupt(key, err)
             return None
         except BufferTooSmall:
-            return None  # Rewritten larger between size and read by another process: a miss.
+            return None  # Rewritten larger between size and read by another process: a miss, no outcome.
         except DeviceError as err:
             self._fault("read", err)
             return None
@@ -212,8 +220,15 @@ class Tier:
         in memory that no client can write (see `_verify_shared`).
         """
         device = self.device
-        if not isinstance(device, SharedSpans) or not self._allow():
+        if not isinstance(device, SharedSpans):
             return None
+        with self._attempt() as attempt:
+            if not attempt.allowed:
+                return None
+            return self._pin_verified(device, key, fingerprint, touch)
+
+    def _pin_verified(self, device: SharedSpans, key: bytes, fingerprint: bytes, touch: bool) -> SharedHit | None:
+        """`read_shared`'s body, run under the breaker's attempt."""
         span = device.pin(key)
         if span is None:
             self._remove_from_index([key])
@@ -227,7 +242,7 @@ class Tier:
             return None
         if header.fragment_count != 1 or header.codec is not Codec.NONE:
             device.unpin(span)
-            return None
+            return None  # Served by `read` instead; this was no judgement of the device.
         self._ok()
         if touch:
             self.touch([key])
@@ -268,8 +283,20 @@ class Tier:
         hard limit is the tier budget (RAM) must really have the room the index
         promised, or every put into a full tier would fail.
         """
-        if not self._allow():
-            return False
+        with self._attempt() as attempt:
+            if not attempt.allowed:
+                return False
+            return self._write_encoded(key, fingerprint, value, pinned, on_evict)
+
+    def _write_encoded(
+        self,
+        key: bytes,
+        fingerprint: bytes,
+        value: Buffer,
+        pinned: frozenset[bytes],
+        on_evict: Callable[[Sequence[Entry]], None] | None,
+    ) -> bool:
+        """`write`'s body, run under the breaker's attempt."""
         try:
             parts = encode(key, fingerprint, value, self.codec, self.device.max_value_bytes)
         except ValueError as err:
@@ -307,23 +334,27 @@ class Tier:
         device, total = self.device, HEADER_BYTES + nbytes
         if not isinstance(device, InPlaceWrites) or self.codec is not Codec.NONE:
             return None
-        if total > device.max_value_bytes or total > self.capacity_bytes or not self._allow():
+        if total > device.max_value_bytes or total > self.capacity_bytes:
             return None
-        span = device.reserve(total)
-        if span is None:
-            # The device holds about the tier budget: room for a value in flight
-            # comes from the values least recently used, as it would at admission.
-            try:
-                self.drop(self._least_recent(total, pinned))
-            except DeviceError as err:
-                self._index_fault(err)
+        with ExitStack() as ending:
+            attempt = ending.enter_context(self._attempt())
+            if not attempt.allowed:
                 return None
             span = device.reserve(total)
             if span is None:
-                self.breaker.cancel()  # Nothing was tried on the device: no outcome to judge.
-                return None
-        assert span.length == total, (span.length, total)
-        return Reservation(self, bytes(key), bytes(fingerprint), span, device.view(span)[HEADER_BYTES:])
+                # The device holds about the tier budget: room for a value in flight
+                # comes from the values least recently used, as it would at admission.
+                try:
+                    self.drop(self._least_recent(total, pinned))
+                except DeviceError as err:
+                    self._index_fault(err)
+                    return None
+                span = device.reserve(total)
+                if span is None:
+                    return None
+            assert span.length == total, (span.length, total)
+            ending.pop_all()  # The attempt lives on in the reservation, until complete or abandon.
+            return Reservation(self, bytes(key), bytes(fingerprint), span, device.view(span)[HEADER_BYTES:], attempt)
 
     def complete(
         self,
@@ -343,22 +374,23 @@ class Tier:
         device = self.device
         assert reservation.tier is self and isinstance(device, InPlaceWrites)
         key, fingerprint, span = reservation.key, reservation.fingerprint, reservation.span
-        (part,) = encode(key, fingerprint, reservation.payload, Codec.NONE, device.max_value_bytes, value_checksum)
-        entry = Entry(key, part.nbytes, 1)
-        assert entry.nbytes == span.length, (entry.nbytes, span.length)
-        if not self._admit(entry, pinned | {key}, on_evict):
-            device.abandon(span)
-            return False
-        device.view(span)[:HEADER_BYTES] = part.header
-        device.adopt(key, span)
-        return self._stored(entry)
+        with reservation.attempt:
+            (part,) = encode(key, fingerprint, reservation.payload, Codec.NONE, device.max_value_bytes, value_checksum)
+            entry = Entry(key, part.nbytes, 1)
+            assert entry.nbytes == span.length, (entry.nbytes, span.length)
+            if not self._admit(entry, pinned | {key}, on_evict):
+                device.abandon(span)
+                return False
+            device.view(span)[:HEADER_BYTES] = part.header
+            device.adopt(key, span)
+            return self._stored(entry)
 
     def abandon(self, reservation: Reservation) -> None:
         """Give back a reservation that will not be completed."""
         device = self.device
         assert reservation.tier is self and isinstance(device, InPlaceWrites)
-        device.abandon(reservation.span)
-        self.breaker.cancel()  # A half-open breaker's trial that never reached an outcome.
+        with reservation.attempt:  # A half-open breaker's trial that never reached an outcome.
+            device.abandon(reservation.span)
 
     def drop(self, victims: Sequence[Entry]) -> None:
         """Delete the bytes of entries the index already let go."""
@@ -432,11 +464,12 @@ class Tier:
 
         return read_part
 
-    def _allow(self) -> bool:
-        if self.breaker.allow():
-            return True
-        self._count(skipped=1)
-        return False
+    def _attempt(self) -> Attempt:
+        """The breaker's attempt for one operation; one not allowed is counted as skipped."""
+        attempt = self.breaker.attempt()
+        if not attempt.allowed:
+            self._count(skipped=1)
+        return attempt
 
     def _admit(
         self, entry: Entry, pinned: frozenset[bytes], on_evict: Callable[[Sequence[Entry]], None] | None
@@ -457,11 +490,11 @@ class Tier:
         return True
 
     def _unstorable(self, err: Exception) -> bool:
-        """A value this tier cannot take (too large, too many fragments); always False."""
-        # Nothing reached the device, so there is no outcome to judge; a half-open
-        # breaker gets its one trial back (else it stays half-open with a trial
-        # that never reports, and the tier is skipped for good).
-        self.breaker.cancel()
+        """A value this tier cannot take (too large, too many fragments); always False.
+
+        Nothing reached the device, so there is no outcome to judge: the attempt
+        this runs under hands a half-open breaker's trial back when it ends.
+        """
         self._once.say(f"unstorable:{self.name}", f"tier '{self.name}': {err}; not stored")
         return False
 

@@ -37,6 +37,11 @@ def record_all(breaker: CircuitBreaker, outcomes: str) -> list[BreakerState]:
     return [breaker.record(c == ".") for c in outcomes]
 
 
+def allowed(breaker: CircuitBreaker) -> bool:
+    """Whether an operation may start now; the attempt is left open, as a running one is."""
+    return breaker.attempt().allowed
+
+
 def open_breaker(breaker: CircuitBreaker) -> None:
     record_all(breaker, "xxxxxxxxxx")
     assert breaker.state is BreakerState.OPEN
@@ -48,7 +53,7 @@ def test_opens_above_the_ratio_once_the_window_is_full(breaker: CircuitBreaker) 
     states = record_all(breaker, "xxx......" + ".")
     assert states[:9] == [BreakerState.CLOSED] * 9
     assert states[9] is BreakerState.OPEN
-    assert breaker.allow() is False
+    assert allowed(breaker) is False
     assert breaker.opened_total == 1
 
 
@@ -56,7 +61,7 @@ def test_stays_closed_at_or_below_the_ratio(breaker: CircuitBreaker) -> None:
     # Exactly 2 of every 10 fail, forever: at the ratio is not above it.
     states = record_all(breaker, "x....x...." * 20)
     assert set(states) == {BreakerState.CLOSED}
-    assert breaker.allow() is True
+    assert allowed(breaker) is True
 
 
 def test_old_failures_leave_the_window(breaker: CircuitBreaker) -> None:
@@ -70,19 +75,19 @@ def test_cooldown_then_half_open_allows_exactly_one_trial(breaker: CircuitBreake
     open_breaker(breaker)
     clock.now += SETTINGS.cooldown_s - 0.001
     assert breaker.state is BreakerState.OPEN
-    assert breaker.allow() is False
+    assert allowed(breaker) is False
     clock.now += 0.001
     assert breaker.state is BreakerState.HALF_OPEN
-    assert breaker.allow() is True
-    assert [breaker.allow() for _ in range(5)] == [False] * 5  # One trial at a time.
+    assert allowed(breaker) is True
+    assert [allowed(breaker) for _ in range(5)] == [False] * 5  # One trial at a time.
 
 
 def test_a_successful_trial_closes_and_starts_a_fresh_window(breaker: CircuitBreaker, clock: FakeClock) -> None:
     open_breaker(breaker)
     clock.now += SETTINGS.cooldown_s
-    assert breaker.allow()
+    assert allowed(breaker)
     assert breaker.record(True) is BreakerState.CLOSED
-    assert all(breaker.allow() for _ in range(5))
+    assert all(allowed(breaker) for _ in range(5))
     # The failures from before are forgotten: three new ones wait for a full window again.
     assert set(record_all(breaker, "xxx")) == {BreakerState.CLOSED}
 
@@ -90,7 +95,7 @@ def test_a_successful_trial_closes_and_starts_a_fresh_window(breaker: CircuitBre
 def test_a_failed_trial_reopens_for_a_whole_cooldown(breaker: CircuitBreaker, clock: FakeClock) -> None:
     open_breaker(breaker)
     clock.now += SETTINGS.cooldown_s
-    assert breaker.allow()
+    assert allowed(breaker)
     assert breaker.record(False) is BreakerState.OPEN
     assert breaker.opened_total == 2
     clock.now += SETTINGS.cooldown_s / 2
@@ -106,14 +111,62 @@ def test_outcomes_that_straggle_in_while_open_change_nothing(breaker: CircuitBre
     assert breaker.state is BreakerState.HALF_OPEN
 
 
-def test_a_cancelled_trial_is_handed_back(breaker: CircuitBreaker, clock: FakeClock) -> None:
+def test_a_trial_that_ends_without_an_outcome_is_handed_back(breaker: CircuitBreaker, clock: FakeClock) -> None:
     # An allowed operation that never reached storage (e.g. a value over the
-    # tier budget) reports no outcome; without `cancel` the breaker would stay
-    # half-open with its one trial taken, skipping the tier for good.
+    # tier budget) reports no outcome; leaving its attempt must hand the trial
+    # back, or the breaker would stay half-open with its one trial taken,
+    # skipping the tier for good.
     open_breaker(breaker)
     clock.now += SETTINGS.cooldown_s
-    assert breaker.allow()
-    assert breaker.allow() is False
-    breaker.cancel()
+    with breaker.attempt() as trial:
+        assert trial.allowed and trial.trial
+        assert allowed(breaker) is False, "one trial at a time"
     assert breaker.state is BreakerState.HALF_OPEN
-    assert breaker.allow() is True
+    assert allowed(breaker) is True
+
+
+def test_a_trial_left_by_an_exception_is_handed_back(breaker: CircuitBreaker, clock: FakeClock) -> None:
+    open_breaker(breaker)
+    clock.now += SETTINGS.cooldown_s
+    with pytest.raises(RuntimeError), breaker.attempt():
+        raise RuntimeError("a bug between allow and outcome")
+    assert allowed(breaker) is True
+
+
+def test_a_reported_trial_is_not_undone_by_leaving_its_attempt(breaker: CircuitBreaker, clock: FakeClock) -> None:
+    open_breaker(breaker)
+    clock.now += SETTINGS.cooldown_s
+    with breaker.attempt():
+        breaker.record(False)
+    assert breaker.state is BreakerState.OPEN, "the failure stands"
+    clock.now += SETTINGS.cooldown_s
+    assert breaker.state is BreakerState.HALF_OPEN
+    trial = breaker.attempt()
+    assert trial.allowed
+    other = breaker.attempt()
+    assert not other.allowed
+    other.end()
+    assert allowed(breaker) is False, "an attempt that held no trial hands none back"
+    trial.end()
+    assert allowed(breaker) is True
+
+
+def test_a_stale_attempt_does_not_hand_back_a_later_trial(breaker: CircuitBreaker, clock: FakeClock) -> None:
+    open_breaker(breaker)
+    clock.now += SETTINGS.cooldown_s
+    stale = breaker.attempt()
+    breaker.record(False)  # The trial failed (reported by whoever ran it) ...
+    clock.now += SETTINGS.cooldown_s
+    current = breaker.attempt()  # ... and after the next cooldown another trial runs.
+    assert current.allowed
+    stale.end()
+    assert allowed(breaker) is False, "the running trial is still the only one"
+    current.end()
+
+
+def test_attempts_while_closed_or_open(breaker: CircuitBreaker) -> None:
+    with breaker.attempt() as attempt:
+        assert attempt.allowed and attempt.trial == 0
+    open_breaker(breaker)
+    with breaker.attempt() as attempt:
+        assert not attempt.allowed
