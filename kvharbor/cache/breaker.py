@@ -3,7 +3,11 @@
 A tier whose operations fail more often than ``failure_ratio`` over the last
 ``window`` operations is *open*: it is skipped (its lookups and gets are
 misses, its puts are dropped) for ``cooldown_s``. Then one trial operation is
-let through (*half-open*): success closes the breaker, failure opens it again.
+let through (*half-open*): success closes the breaker, failure opens it again
+for ``probe_backoff_factor`` times longer than the last time, up to
+``probe_interval_max_s`` (a target that restarts for minutes is probed a few
+times, not every ``cooldown_s``). A device that says it is gone (`trip`) opens
+the breaker at once: there is nothing to learn from a window of failures.
 Skipping a sick tier is what keeps a dying disk from adding its timeouts to
 every request's time to first token.
 
@@ -38,9 +42,14 @@ class BreakerSettings:
     window: int = 50
     """Operations judged together; also the fewest seen before the breaker may open."""
     cooldown_s: float = 30.0
+    probe_backoff_factor: float = 2.0
+    probe_interval_max_s: float = 300.0
 
     def __post_init__(self) -> None:
-        assert 0 < self.failure_ratio <= 1 and self.window > 0 and self.cooldown_s > 0, self
+        if not (0 < self.failure_ratio <= 1 and self.window > 0 and self.cooldown_s > 0):
+            raise ValueError(f"breaker settings out of range: {self}")
+        if not (self.probe_backoff_factor >= 1 and self.probe_interval_max_s > 0):
+            raise ValueError(f"breaker probe settings out of range: {self}")
 
 
 class CircuitBreaker:
@@ -51,6 +60,8 @@ class CircuitBreaker:
         self._failures = 0
         self._state = BreakerState.CLOSED
         self._opened_at = 0.0
+        self._wait_s = settings.cooldown_s
+        """How long the breaker stays open this time: grows with each failed trial."""
         self._trial_running = False
         self._trials = 0
         """Trials handed out so far; an attempt knows its trial by this number."""
@@ -103,6 +114,20 @@ class CircuitBreaker:
                 self._open()
             return self._state
 
+    @property
+    def wait_s(self) -> float:
+        """How long the breaker stays open (this time, or next time it opens)."""
+        with self._lock:
+            return self._wait_s
+
+    def trip(self) -> BreakerState:
+        """The device says it is gone: open now (a failed trial, if half-open); returns the state."""
+        with self._lock:
+            if self._state is not BreakerState.OPEN:
+                self._trial_running = False
+                self._open()
+            return self._state
+
     def _end(self, trial: int) -> None:
         """An attempt ended: if it held the trial and nothing reported since, hand it back."""
         with self._lock:
@@ -110,12 +135,17 @@ class CircuitBreaker:
                 self._trial_running = False
 
     def _advance(self) -> None:
-        cooled = self._clock() - self._opened_at >= self.settings.cooldown_s
+        cooled = self._clock() - self._opened_at >= self._wait_s
         if self._state is BreakerState.OPEN and cooled:
             self._state = BreakerState.HALF_OPEN
             self._trial_running = False
 
     def _open(self) -> None:
+        settings = self.settings
+        if self._state is BreakerState.HALF_OPEN:  # A failed trial: wait longer before the next.
+            self._wait_s = min(self._wait_s * settings.probe_backoff_factor, settings.probe_interval_max_s)
+        else:
+            self._wait_s = min(settings.cooldown_s, settings.probe_interval_max_s)
         self._state = BreakerState.OPEN
         self._opened_at = self._clock()
         self.opened_total += 1

@@ -20,6 +20,7 @@ from kvharbor.cache.format import (
     HEADER_BYTES,
     Codec,
     CorruptObject,
+    ForeignLayout,
     PayloadChecksum,
     ReadBack,
     check_header,
@@ -29,7 +30,7 @@ from kvharbor.cache.format import (
     verify_part,
 )
 from kvharbor.cache.index import Entry, OverBudget, TierIndex
-from kvharbor.cache.keys import ChunkKey, fragment_key
+from kvharbor.cache.keys import ChunkKey, fragment_key, tier_fingerprint
 from kvharbor.hal.base import (
     Buffer,
     BufferTooSmall,
@@ -40,6 +41,7 @@ from kvharbor.hal.base import (
     InPlaceWrites,
     SharedSpan,
     SharedSpans,
+    TargetUnreachable,
 )
 from kvharbor.telemetry.log import OnceLog, get_logger
 
@@ -73,6 +75,9 @@ class TierCounters:
     full: int = 0
     skipped: int = 0
     """Operations not attempted because the breaker was open."""
+    stale: int = 0
+    """Objects found written under another layout of this tier (a card's fragment size
+    changed): misses, dropped, not corrupt."""
 
     def snapshot(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -137,7 +142,14 @@ class Tier:
         codec: Codec = Codec.NONE,
         device_type: str = "",
         reopen_index: Callable[[], TierIndex] | None = None,
+        layout: bytes = b"",
+        device_evicts: bool = False,
     ) -> None:
+        """``layout``: this tier's own settings that change the bytes it stores (a card's
+        fragment size, `kvharbor.cache.keys.card_layout`); they enter the fingerprint of
+        every object it stores, so that a change of them makes this tier's objects misses
+        and no other tier's. ``device_evicts``: the device drops keys on its own (a card
+        with key eviction on), so it, not the index, says what is here."""
         assert capacity_bytes > 0, capacity_bytes
         self.name = name
         self.device = device
@@ -150,6 +162,11 @@ class Tier:
         self.counters = TierCounters()
         self._counter_lock = threading.Lock()
         self._once = OnceLog(_log)
+        self.layout = layout
+        self.device_evicts = device_evicts
+        self._stored_fingerprints: dict[bytes, bytes] = {}
+        """Engine fingerprint -> the one this tier stores under (a few layouts per process)."""
+        self._engine_fingerprints: dict[bytes, bytes] = {}
 
     # -- reads -------------------------------------------------------------
 
@@ -158,10 +175,30 @@ class Tier:
         if self.breaker.state is BreakerState.OPEN:
             return [False] * len(keys)
         try:
-            return self.index.contains(keys)
+            present = self.index.contains(keys)
         except DeviceError as err:
             self._index_fault(err)
             return [False] * len(keys)
+        return self._on_device(keys, present) if self.device_evicts else present
+
+    def _on_device(self, keys: Sequence[bytes], present: list[bool]) -> list[bool]:
+        """``present`` less the keys the device evicted on its own, which leave the index."""
+        asked = [key for key, here in zip(keys, present, strict=True) if here]
+        if not asked:
+            return present
+        with self._attempt() as attempt:
+            if not attempt.allowed:
+                return [False] * len(keys)
+            try:
+                kept = self.device.exists(asked)
+            except DeviceError as err:
+                self._fault("exists", err)
+                return [False] * len(keys)
+            self._ok()
+        gone = {key for key, here in zip(asked, kept, strict=True) if not here}
+        if gone:
+            self._remove_from_index(list(gone))
+        return [here and key not in gone for key, here in zip(keys, present, strict=True)]
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Mark ``keys`` used, the last most recently (see `read`'s ``touch``)."""
@@ -185,7 +222,7 @@ class Tier:
         with self._attempt() as attempt:
             if not attempt.allowed:
                 return None
-            return self._read_verified(key, fingerprint, source, touch)
+            return self._read_verified(key, self._stored_fingerprint(fingerprint), source, touch)
 
     def _read_verified(self, key: bytes, fingerprint: bytes, source: BufferSource, touch: bool) -> memoryview | None:
         """`read`'s body, run under the breaker's attempt."""
@@ -225,7 +262,7 @@ class Tier:
         with self._attempt() as attempt:
             if not attempt.allowed:
                 return None
-            return self._pin_verified(device, key, fingerprint, touch)
+            return self._pin_verified(device, key, self._stored_fingerprint(fingerprint), touch)
 
     def _pin_verified(self, device: SharedSpans, key: bytes, fingerprint: bytes, touch: bool) -> SharedHit | None:
         """`read_shared`'s body, run under the breaker's attempt."""
@@ -259,8 +296,13 @@ class Tier:
         try:
             if self.device.peek(entry.key, head) != HEADER_BYTES:
                 return None
-            fingerprint = parse_header(head).fingerprint
-            value = decode(entry.key, fingerprint, self._read_part_fn(entry.key, new_buffer))
+            stored = parse_header(head).fingerprint
+            # The tiers below store under the engine's fingerprint; one this process
+            # never saw (stored before a restart) cannot be told: not demoted.
+            fingerprint = self._engine_fingerprints.get(stored) if self.layout else stored
+            if fingerprint is None:
+                return None
+            value = decode(entry.key, stored, self._read_part_fn(entry.key, new_buffer))
         except (CorruptObject, DeviceError):
             return None
         return None if value is None else (fingerprint, value)
@@ -286,7 +328,7 @@ class Tier:
         with self._attempt() as attempt:
             if not attempt.allowed:
                 return False
-            return self._write_encoded(key, fingerprint, value, pinned, on_evict)
+            return self._write_encoded(key, self._stored_fingerprint(fingerprint), value, pinned, on_evict)
 
     def _write_encoded(
         self,
@@ -375,7 +417,8 @@ class Tier:
         assert reservation.tier is self and isinstance(device, InPlaceWrites)
         key, fingerprint, span = reservation.key, reservation.fingerprint, reservation.span
         with reservation.attempt:
-            (part,) = encode(key, fingerprint, reservation.payload, Codec.NONE, device.max_value_bytes, value_checksum)
+            stored = self._stored_fingerprint(fingerprint)
+            (part,) = encode(key, stored, reservation.payload, Codec.NONE, device.max_value_bytes, value_checksum)
             entry = Entry(key, part.nbytes, 1)
             assert entry.nbytes == span.length, (entry.nbytes, span.length)
             if not self._admit(entry, pinned | {key}, on_evict):
@@ -540,10 +583,34 @@ class Tier:
             self._fault("delete", err)
             return False
 
+    def _stored_fingerprint(self, fingerprint: bytes) -> bytes:
+        """The fingerprint this tier stores ``fingerprint``'s objects under (see ``layout``)."""
+        if not self.layout:
+            return fingerprint
+        stored = self._stored_fingerprints.get(fingerprint)
+        if stored is None:
+            stored = tier_fingerprint(fingerprint, self.layout)
+            self._stored_fingerprints[bytes(fingerprint)] = stored
+            self._engine_fingerprints[stored] = bytes(fingerprint)
+        return stored
+
     def _corrupt(self, key: bytes, err: CorruptObject) -> None:
-        """Count, say and drop a damaged object; the device answered, so it is not sick."""
-        self._count(corrupt=1)
-        _log.warning("kvharbor: corrupt chunk %s in tier '%s' (%s) -> treated as miss", key.hex(), self.name, err)
+        """Count, say and drop a damaged object; the device answered, so it is not sick.
+
+        On a tier with a ``layout`` of its own, an intact object of another layout
+        is stale, not damaged (the tier's settings changed since it was stored):
+        counted as such and said once, not per object. Elsewhere keys embed the
+        layout, so a key under another layout is damage.
+        """
+        if isinstance(err, ForeignLayout) and self.layout:
+            self._count(stale=1)
+            self._once.say(
+                f"stale:{self.name}",
+                f"tier '{self.name}' holds objects stored under other settings of it; they are misses, dropped",
+            )
+        else:
+            self._count(corrupt=1)
+            _log.warning("kvharbor: corrupt chunk %s in tier '%s' (%s) -> treated as miss", key.hex(), self.name, err)
         self.delete([key])
         self._ok()
 
@@ -596,6 +663,17 @@ class Tier:
 
     def _fault(self, operation: str, err: DeviceError) -> None:
         self._count(errors=1)
+        if isinstance(err, TargetUnreachable):
+            # The device says it is gone (a card's target restarting): unavailable now,
+            # probed again after the breaker's wait, not after a window of failures.
+            self.breaker.trip()
+            self._once.say(
+                f"open:{self.name}",
+                f"tier '{self.name}' unavailable ({err}); the others serve; "
+                f"probing it again in {self.breaker.wait_s:g} s, backing off",
+                logging.ERROR,
+            )
+            return
         state = self.breaker.record(False)
         self._once.say(f"fault:{self.name}", f"tier '{self.name}' {operation} failed: {err}; treated as a miss")
         if state is BreakerState.OPEN:
@@ -603,7 +681,7 @@ class Tier:
                 f"open:{self.name}",
                 f"tier '{self.name}' circuit breaker open: more than "
                 f"{self.breaker.settings.failure_ratio:.0%} of its operations failed; "
-                f"skipped for {self.breaker.settings.cooldown_s:g} s",
+                f"skipped for {self.breaker.wait_s:g} s",
                 logging.ERROR,
             )
 

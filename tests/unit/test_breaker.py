@@ -11,7 +11,9 @@ import pytest
 from kvharbor.cache.breaker import BreakerSettings, BreakerState, CircuitBreaker
 
 # Opens when more than 2 of the last 10 operations failed.
-SETTINGS = BreakerSettings(failure_ratio=0.2, window=10, cooldown_s=30.0)
+SETTINGS = BreakerSettings(
+    failure_ratio=0.2, window=10, cooldown_s=30.0, probe_backoff_factor=2.0, probe_interval_max_s=100.0
+)
 
 
 class FakeClock:
@@ -92,16 +94,51 @@ def test_a_successful_trial_closes_and_starts_a_fresh_window(breaker: CircuitBre
     assert set(record_all(breaker, "xxx")) == {BreakerState.CLOSED}
 
 
-def test_a_failed_trial_reopens_for_a_whole_cooldown(breaker: CircuitBreaker, clock: FakeClock) -> None:
-    open_breaker(breaker)
-    clock.now += SETTINGS.cooldown_s
-    assert allowed(breaker)
-    assert breaker.record(False) is BreakerState.OPEN
-    assert breaker.opened_total == 2
-    clock.now += SETTINGS.cooldown_s / 2
-    assert breaker.state is BreakerState.OPEN  # The cooldown restarted at the failed trial.
-    clock.now += SETTINGS.cooldown_s / 2
+def wait_until_half_open(breaker: CircuitBreaker, clock: FakeClock, wait_s: float) -> None:
+    """Move the clock ``wait_s`` on, checking that the breaker opens for exactly that long."""
+    clock.now += wait_s - 0.001
+    assert breaker.state is BreakerState.OPEN
+    clock.now += 0.001
     assert breaker.state is BreakerState.HALF_OPEN
+
+
+def test_failed_trials_back_off_up_to_the_longest_wait_and_success_resets(
+    breaker: CircuitBreaker, clock: FakeClock
+) -> None:
+    open_breaker(breaker)
+    for wait_s in (30.0, 60.0, 100.0, 100.0):  # cooldown_s, doubled, then capped at probe_interval_max_s.
+        wait_until_half_open(breaker, clock, wait_s)
+        assert allowed(breaker)
+        assert breaker.record(False) is BreakerState.OPEN  # The wait restarts at the failed trial.
+    assert breaker.opened_total == 5
+    wait_until_half_open(breaker, clock, 100.0)
+    assert breaker.record(True) is BreakerState.CLOSED
+    open_breaker(breaker)
+    wait_until_half_open(breaker, clock, SETTINGS.cooldown_s)
+
+
+def test_a_device_that_says_it_is_gone_trips_the_breaker_at_once(breaker: CircuitBreaker, clock: FakeClock) -> None:
+    assert breaker.trip() is BreakerState.OPEN
+    assert not allowed(breaker)
+    wait_until_half_open(breaker, clock, SETTINGS.cooldown_s)
+    assert allowed(breaker)
+    assert breaker.trip() is BreakerState.OPEN, "a trial that finds it still gone"
+    wait_until_half_open(breaker, clock, 2 * SETTINGS.cooldown_s)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"failure_ratio": 0},
+        {"window": 0},
+        {"cooldown_s": 0},
+        {"probe_backoff_factor": 0.5},
+        {"probe_interval_max_s": 0},
+    ],
+)
+def test_impossible_settings_are_refused(changes: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match="out of range"):
+        BreakerSettings(**changes)  # type: ignore[arg-type]
 
 
 def test_outcomes_that_straggle_in_while_open_change_nothing(breaker: CircuitBreaker, clock: FakeClock) -> None:
@@ -139,7 +176,7 @@ def test_a_reported_trial_is_not_undone_by_leaving_its_attempt(breaker: CircuitB
     with breaker.attempt():
         breaker.record(False)
     assert breaker.state is BreakerState.OPEN, "the failure stands"
-    clock.now += SETTINGS.cooldown_s
+    clock.now += breaker.wait_s
     assert breaker.state is BreakerState.HALF_OPEN
     trial = breaker.attempt()
     assert trial.allowed
@@ -156,7 +193,7 @@ def test_a_stale_attempt_does_not_hand_back_a_later_trial(breaker: CircuitBreake
     clock.now += SETTINGS.cooldown_s
     stale = breaker.attempt()
     breaker.record(False)  # The trial failed (reported by whoever ran it) ...
-    clock.now += SETTINGS.cooldown_s
+    clock.now += breaker.wait_s
     current = breaker.attempt()  # ... and after the next cooldown another trial runs.
     assert current.allowed
     stale.end()
