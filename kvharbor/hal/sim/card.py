@@ -236,11 +236,14 @@ class SimCard:
         filler = bytes(params.value_bytes_max)
         stored = 0
         while self._used_bytes < target:
-            size = min(len(filler), target - self._used_bytes)
+            before = self._used_bytes
+            size = min(len(filler), target - before)
             key = FILL_KEY_PREFIX + (self.counts["filled"] + stored).to_bytes(16 - len(FILL_KEY_PREFIX), "big")
             if self.store(key, filler[:size]).status != SUCCESS:
                 break
             stored += 1
+            if self._used_bytes <= before:
+                break  # Full of keys: each filler evicts as many bytes as it brings.
         self.counts["filled"] += stored
         return stored
 
