@@ -34,6 +34,7 @@ from kvharbor.cache.keys import ChunkKey, fragment_key, tier_fingerprint
 from kvharbor.hal.base import (
     Buffer,
     BufferTooSmall,
+    CardDevice,
     Device,
     DeviceCorrupt,
     DeviceError,
@@ -129,6 +130,8 @@ class TierStatus:
     health_detail: str
     breaker: str
     counters: dict[str, int] = field(default_factory=dict)
+    device_statuses: dict[str, int] = field(default_factory=dict)
+    """A card's answers other than success, by status code (misses included)."""
 
 
 class Tier:
@@ -479,6 +482,7 @@ class Tier:
             health_detail=health.detail,
             breaker=self.breaker.state.value,
             counters=self.counters.snapshot(),
+            device_statuses=self.device.status_counts() if isinstance(self.device, CardDevice) else {},
         )
 
     def close(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from kvharbor.hal.base import HealthState, TargetUnreachable
 from kvharbor.hal.sim.channels import Channels
 from kvharbor.hal.sim.clock import ScaledClock, VirtualClock
+from kvharbor.hal.sim.control import write_control
 from kvharbor.hal.sim.device import SimCardDevice
 from kvharbor.hal.sim.params import CardParams, TargetWindow, load_params
 
@@ -117,3 +119,22 @@ def test_status_reports_the_card_and_its_wear() -> None:
     assert status.driver == "kvharbor-sim" and status.firmware_version == CardParams().firmware_version
     assert status.flash_wear_percent == pytest.approx(6.25)
     assert (status.used_bytes, status.keys, status.supercap) == (64 * 1024, 1, "ok")
+
+
+def test_faults_arrive_through_the_control_file(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    control = str(tmp_path / "control.yaml")
+    device = card(control_path=control, control_poll_s=1e-9)
+    device.put(KEY, [b"v"])
+    write_control(control, target_up=False, temperature_c=83.0)
+    with pytest.raises(TargetUnreachable):
+        device.get(KEY, memoryview(bytearray(1)))
+    assert device.card.temperature_c == 83.0
+    write_control(control, target_up=True, power_cycles=1)
+    assert device.get(KEY, memoryview(bytearray(1))) == 1
+    assert device.card.counts["power_cycles"] == 1
+    with pytest.raises(ValueError, match="unknown field 'target'"):
+        write_control(control, target=True)
+    Path(control).write_text("target_up: 3\n")
+    with caplog.at_level(logging.WARNING):
+        assert device.get(KEY, memoryview(bytearray(1))) == 1, "an invalid file changes nothing"
+    assert "target_up: got 3; ignored" in caplog.text

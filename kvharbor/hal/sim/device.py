@@ -43,6 +43,7 @@ from kvharbor.hal.base import (
 from kvharbor.hal.kv_status import SUCCESS, KvStatus, StatusClass
 from kvharbor.hal.sim.card import SimCard
 from kvharbor.hal.sim.clock import CardClock, ScaledClock, VirtualClock
+from kvharbor.hal.sim.control import ControlFile, ControlState
 from kvharbor.hal.sim.events import CardEventCode
 from kvharbor.hal.sim.params import CardParams
 from kvharbor.telemetry.log import OnceLog, get_logger
@@ -75,6 +76,7 @@ class SimCardDevice(Device, CardDevice, EventSource):
         self._statuses: Counter[str] = Counter()
         self._once = OnceLog(_log)
         self._drained_seq = 0
+        self._control = ControlFile(params.control_path, params.control_poll_s) if params.control_path else None
 
     # -- the device protocol -----------------------------------------------------
 
@@ -82,7 +84,7 @@ class SimCardDevice(Device, CardDevice, EventSource):
         self.check_value_size(parts)
         value = b"".join(parts)
         with self._lock:
-            reply = self.card.store(bytes(key), value)
+            reply = self._live().store(bytes(key), value)
         self._clock.wait(reply.done_s)
         self._judge(reply.status, "store")
 
@@ -104,7 +106,7 @@ class SimCardDevice(Device, CardDevice, EventSource):
     def size(self, key: bytes) -> int | None:
         # A Retrieve with no host buffer answers the value's size, as the KV command set's does.
         with self._lock:
-            reply = self.card.retrieve(key)
+            reply = self._live().retrieve(key)
         self._clock.wait(reply.done_s)
         if not self._judge(reply.status, "retrieve"):
             return None
@@ -113,20 +115,20 @@ class SimCardDevice(Device, CardDevice, EventSource):
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         with self._lock:
-            status, flags, done_s = self.card.exist(list(keys))
+            status, flags, done_s = self._live().exist(list(keys))
         self._clock.wait(done_s)
         self._judge(status, "exist")
         return flags
 
     def delete(self, key: bytes) -> bool:
         with self._lock:
-            reply = self.card.delete(key)
+            reply = self._live().delete(key)
         self._clock.wait(reply.done_s)
         return self._judge(reply.status, "delete")
 
     def scan(self) -> Iterator[tuple[bytes, int]]:
         with self._lock:
-            status, items = self.card.list_keys()
+            status, items = self._live().list_keys()
         self._judge(status, "list")
         yield from items
 
@@ -165,9 +167,17 @@ class SimCardDevice(Device, CardDevice, EventSource):
 
     # -- internals ---------------------------------------------------------------
 
+    def _live(self) -> SimCard:
+        """The card, with faults from its control file applied (call under the lock)."""
+        if self._control is not None:
+            changed = self._control.changes()
+            if changed is not None:
+                _apply(self.card, *changed)
+        return self.card
+
     def _retrieve(self, key: bytes, into: memoryview) -> bytes | None:
         with self._lock:
-            reply = self.card.retrieve(key)
+            reply = self._live().retrieve(key)
         self._clock.wait(reply.done_s)
         if not self._judge(reply.status, "retrieve"):
             return None
@@ -248,3 +258,19 @@ class CardFaults:
             raise TypeError("advance: only a card on virtual time can be moved forward by hand")
         with self._device._lock:
             clock.advance(seconds)
+
+
+def _apply(card: SimCard, before: ControlState, now: ControlState) -> None:
+    """Apply each control field that changed (see `kvharbor.hal.sim.control`)."""
+    if now.target_up is not None and now.target_up != before.target_up:
+        card.set_target(now.target_up)
+    if now.key_eviction is not None and now.key_eviction != before.key_eviction:
+        card.set_key_eviction(now.key_eviction)
+    if now.supercap_ok is not None and now.supercap_ok != before.supercap_ok:
+        card.set_supercap(now.supercap_ok)
+    if now.temperature_c is not None and now.temperature_c != before.temperature_c:
+        card.set_temperature(now.temperature_c)
+    if now.power_cycles is not None and now.power_cycles > (before.power_cycles or 0):
+        card.power_cycle()
+    if now.fill_ratio is not None and now.fill_ratio != before.fill_ratio:
+        card.fill(now.fill_ratio)

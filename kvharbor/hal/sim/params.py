@@ -74,6 +74,10 @@ class CardParams:
     power loss with a failed supercapacitor loses the writes younger than this."""
     # Remote target.
     target_windows: tuple[TargetWindow, ...] = field(default=())
+    control_path: str = ""
+    """A file through which another process injects faults (see `control`); empty: none."""
+    control_poll_s: float = 0.05
+    """How often, in wall seconds, the card looks at its control file."""
     events_max: int = 4096
     """Events kept in the card's log; older ones are dropped, their count kept."""
 
@@ -91,6 +95,7 @@ class CardParams:
             "stripe_bytes",
             "flash_endurance_bytes",
             "events_max",
+            "control_poll_s",
         )
         for name in positive:
             if not getattr(self, name) > 0:
