@@ -46,7 +46,8 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "power_cycles": (int,),
     "fill_ratio": (int, float),
 }
-assert set(_TYPES) == {f.name for f in fields(ControlState)}
+if set(_TYPES) != {f.name for f in fields(ControlState)}:
+    raise RuntimeError("sim control: every ControlState field needs its type in _TYPES")
 
 
 def write_control(path: str, **state: Any) -> None:
