@@ -12,7 +12,7 @@ and the hardware's decode them the same way.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from typing import NamedTuple
 
 SCT_GENERIC = 0x0
 SCT_COMMAND_SPECIFIC = 0x1
@@ -35,8 +35,10 @@ class StatusClass(enum.Enum):
     OTHER = "other"
 
 
-@dataclass(frozen=True, slots=True)
-class KvStatus:
+class KvStatus(NamedTuple):
+    """A status code type and status code. A named tuple (not a frozen dataclass) because
+    the driver counts every answer by it: its hash and equality are the tuple's, in C."""
+
     sct: int
     sc: int
 

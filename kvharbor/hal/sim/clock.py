@@ -68,8 +68,10 @@ class VirtualClock(CardClock):
         return self._now
 
     def wait(self, until_s: float) -> None:
-        if until_s > self._now:
-            self._now = until_s
+        # Under the lock: two callers' check-then-set could otherwise move time back.
+        with self._lock:
+            if until_s > self._now:
+                self._now = until_s
 
     def advance(self, seconds: float) -> None:
         """Let card time pass with no operation running (a scenario waits)."""

@@ -40,7 +40,7 @@ from kvharbor.hal.base import (
     Usage,
     copy_streamed,
 )
-from kvharbor.hal.kv_status import SUCCESS, KvStatus, StatusClass
+from kvharbor.hal.kv_status import KEY_NOT_FOUND, SUCCESS, KvStatus, StatusClass
 from kvharbor.hal.sim.card import SimCard
 from kvharbor.hal.sim.clock import CardClock, ScaledClock, VirtualClock
 from kvharbor.hal.sim.control import ControlFile, ControlState
@@ -73,7 +73,7 @@ class SimCardDevice(Device, CardDevice, EventSource):
         self.faults = CardFaults(self)
         self._clock = self.card.clock
         self._lock = threading.Lock()
-        self._statuses: Counter[str] = Counter()
+        self._statuses: Counter[KvStatus] = Counter()
         self._once = OnceLog(_log)
         self._drained_seq = 0
         self._control = ControlFile(params.control_path, params.control_poll_s) if params.control_path else None
@@ -163,7 +163,7 @@ class SimCardDevice(Device, CardDevice, EventSource):
 
     def status_counts(self) -> dict[str, int]:
         with self._lock:
-            return dict(self._statuses)
+            return {status.code: count for status, count in self._statuses.items()}
 
     def drain_events(self) -> list[DeviceEvent]:
         with self._lock:
@@ -197,11 +197,13 @@ class SimCardDevice(Device, CardDevice, EventSource):
         """True on success, False on a miss; raises the typed error of any other status."""
         if status == SUCCESS:
             return True
-        kind = status.kind
         with self._lock:
-            self._statuses[status.code] += 1
-        if kind is StatusClass.MISS:
+            self._statuses[status] += 1
+        if status is KEY_NOT_FOUND:
             return False  # Ordinary: counted above, never logged (the card guide's "code: 135" lines).
+        kind = status.kind
+        if kind is StatusClass.MISS:
+            return False
         detail = f"{operation} answered status {status.code} ({status.meaning})"
         if kind is StatusClass.FULL:
             raise DeviceFull(self.name, detail)  # The tier says "full" once; the card logged event 3002.
