@@ -1,10 +1,10 @@
 """The HAL driver of the simulated card: the device protocol hardware uses, plus faults.
 
 `SimCardDevice` turns the card's NVMe KV status codes into the protocol's
-answers the way the hardware driver does (`kvharbor.hal.kv_status`): a key that
-is not there is a miss (counted by code, never logged), a full card raises
-`DeviceFull`, a lost path `DeviceUnavailable`; every other status is logged once
-per code with its meaning, counted by code, and raised as a `DeviceError`.
+answers as every card driver does (`kvharbor.hal.kv_judge`): a key that is not
+there is a miss (counted by code, never logged), a full card raises
+`DeviceFull`, a lost path `TargetUnreachable`; every other status is logged
+once per code with its meaning, counted by code, and raised typed.
 
 Calls are serialised on one lock (the card is one state machine), but the
 caller waits for an operation's completion outside it, so that in scaled real
@@ -17,7 +17,6 @@ eviction, supercapacitor, power, remote target, temperature.
 from __future__ import annotations
 
 import threading
-from collections import Counter
 from collections.abc import Iterator, Sequence
 
 from kvharbor.hal.base import (
@@ -28,27 +27,21 @@ from kvharbor.hal.base import (
     CardEventRecord,
     CardStatus,
     Device,
-    DeviceError,
     DeviceEvent,
     DeviceEventKind,
-    DeviceFull,
-    DeviceTransient,
     EventSource,
     Health,
     SliceConsumer,
-    TargetUnreachable,
     Usage,
     copy_streamed,
 )
-from kvharbor.hal.kv_status import KEY_NOT_FOUND, SUCCESS, KvStatus, StatusClass
+from kvharbor.hal.kv_judge import StatusJudge
+from kvharbor.hal.kv_status import SUCCESS
 from kvharbor.hal.sim.card import SimCard
 from kvharbor.hal.sim.clock import CardClock, ScaledClock, VirtualClock
 from kvharbor.hal.sim.control import ControlFile, ControlState
 from kvharbor.hal.sim.events import CardEventCode
 from kvharbor.hal.sim.params import CardParams
-from kvharbor.telemetry.log import OnceLog, get_logger
-
-_log = get_logger("kvharbor.hal.sim")
 
 DRIVER_NAME = "kvharbor-sim"
 
@@ -73,8 +66,7 @@ class SimCardDevice(Device, CardDevice, EventSource):
         self.faults = CardFaults(self)
         self._clock = self.card.clock
         self._lock = threading.Lock()
-        self._statuses: Counter[KvStatus] = Counter()
-        self._once = OnceLog(_log)
+        self._judge = StatusJudge(name)
         self._drained_seq = 0
         self._control = ControlFile(params.control_path, params.control_poll_s) if params.control_path else None
 
@@ -91,7 +83,7 @@ class SimCardDevice(Device, CardDevice, EventSource):
             reply = self._live().store(bytes(key), value)
         self._clock.wait(reply.done_s)
         if reply.status is not SUCCESS:
-            self._judge(reply.status, "store")
+            self._judge.judge(reply.status, "store")
 
     def get(self, key: bytes, into: memoryview) -> int | None:
         value = self._retrieve(key, into)
@@ -113,7 +105,7 @@ class SimCardDevice(Device, CardDevice, EventSource):
         with self._lock:
             reply = self._live().retrieve(key)
         self._clock.wait(reply.done_s)
-        if reply.status is not SUCCESS and not self._judge(reply.status, "retrieve"):
+        if reply.status is not SUCCESS and not self._judge.judge(reply.status, "retrieve"):
             return None
         assert reply.value is not None
         return len(reply.value)
@@ -123,19 +115,19 @@ class SimCardDevice(Device, CardDevice, EventSource):
             status, flags, done_s = self._live().exist(list(keys))
         self._clock.wait(done_s)
         if status is not SUCCESS:
-            self._judge(status, "exist")
+            self._judge.judge(status, "exist")
         return flags
 
     def delete(self, key: bytes) -> bool:
         with self._lock:
             reply = self._live().delete(key)
         self._clock.wait(reply.done_s)
-        return reply.status is SUCCESS or self._judge(reply.status, "delete")
+        return reply.status is SUCCESS or self._judge.judge(reply.status, "delete")
 
     def scan(self) -> Iterator[tuple[bytes, int]]:
         with self._lock:
             status, items = self._live().list_keys()
-        self._judge(status, "list")
+        self._judge.judge(status, "list")
         yield from items
 
     def usage(self) -> Usage:
@@ -162,8 +154,7 @@ class SimCardDevice(Device, CardDevice, EventSource):
             self.card.set_key_eviction(enabled)
 
     def status_counts(self) -> dict[str, int]:
-        with self._lock:
-            return {status.code: count for status, count in self._statuses.items()}
+        return self._judge.counts()
 
     def drain_events(self) -> list[DeviceEvent]:
         with self._lock:
@@ -185,34 +176,13 @@ class SimCardDevice(Device, CardDevice, EventSource):
         with self._lock:
             reply = self._live().retrieve(key)
         self._clock.wait(reply.done_s)
-        if reply.status is not SUCCESS and not self._judge(reply.status, "retrieve"):
+        if reply.status is not SUCCESS and not self._judge.judge(reply.status, "retrieve"):
             return None
         value = reply.value
         assert value is not None
         if into.nbytes < len(value):
             raise BufferTooSmall(self.name, len(value), into.nbytes)
         return value
-
-    def _judge(self, status: KvStatus, operation: str) -> bool:
-        """True on success, False on a miss; raises the typed error of any other status."""
-        if status == SUCCESS:
-            return True
-        with self._lock:
-            self._statuses[status] += 1
-        if status is KEY_NOT_FOUND:
-            return False  # Ordinary: counted above, never logged (the card guide's "code: 135" lines).
-        kind = status.kind
-        if kind is StatusClass.MISS:
-            return False
-        detail = f"{operation} answered status {status.code} ({status.meaning})"
-        if kind is StatusClass.FULL:
-            raise DeviceFull(self.name, detail)  # The tier says "full" once; the card logged event 3002.
-        self._once.say(f"status:{status.code}", f"card '{self.name}': {detail}; counted by code from now on")
-        if kind is StatusClass.UNAVAILABLE:
-            raise TargetUnreachable(self.name, detail)
-        if kind is StatusClass.TRANSIENT:
-            raise DeviceTransient(self.name, detail)
-        raise DeviceError(self.name, detail)
 
 
 class CardFaults:
