@@ -28,6 +28,7 @@ PARAMS = CardParams(
     capacity_bytes=4 * VALUE_BYTES_MAX, keys_max=6, value_bytes_max=VALUE_BYTES_MAX, persist_delay_s=0.001
 )
 KEYS = st.integers(0, 5).map(lambda n: n.to_bytes(16, "big"))
+KEY_A, KEY_B = b"a" * 16, b"b" * 16
 
 
 @dataclass(frozen=True)
@@ -178,3 +179,18 @@ def test_a_full_card_evicts_or_refuses_with_event_3002(eviction: bool) -> None:
             device.put(b"j" * 16, [b"v"])
         assert [e.code for e in device.card_events()].count(3002) == 1, "one event per full episode"
         assert device.status_counts() == {"1/81h": 2}
+
+
+def test_a_refused_write_keeps_the_old_value_and_eviction_takes_the_oldest_first() -> None:
+    device = SimCardDevice("card", PARAMS, VirtualClock())
+    device.faults.set_key_eviction(False)
+    into = memoryview(bytearray(VALUE_BYTES_MAX))
+    device.put(KEY_A, [b"old"])
+    device.faults.fill(1.0)
+    with pytest.raises(DeviceFull):
+        device.put(KEY_A, [b"n" * VALUE_BYTES_MAX])
+    assert device.get(KEY_A, into) == 3 and bytes(into[:3]) == b"old"
+    device.faults.set_key_eviction(True)
+    device.put(KEY_B, [b"b" * VALUE_BYTES_MAX])
+    assert device.get(KEY_A, into) is None, "written first, evicted first"
+    assert device.get(KEY_B, into) == VALUE_BYTES_MAX

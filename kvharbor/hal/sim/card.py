@@ -104,16 +104,19 @@ class SimCard:
         if nbytes > params.value_bytes_max:
             return Stored(INVALID_VALUE_SIZE, now)
         values = self._values
-        old = values.pop(key, None)
-        if old is not None:
-            self._used_bytes -= len(old)
-        if self._used_bytes + nbytes > params.capacity_bytes or len(values) >= params.keys_max:
-            if not self.key_eviction:
-                if old is not None:  # Refused: the old value stays (now last in write order).
-                    values[key] = old
-                    self._used_bytes += len(old)
-                self._refuse_full(now)
-                return Stored(CAPACITY_EXCEEDED, now)
+        old = values.get(key)
+        old_bytes = 0 if old is None else len(old)
+        fits = (
+            self._used_bytes - old_bytes + nbytes <= params.capacity_bytes
+            and len(values) + (old is None) <= params.keys_max
+        )
+        if not fits and not self.key_eviction:
+            self._refuse_full(now)  # Nothing changed: the old value stays, in its place in write order.
+            return Stored(CAPACITY_EXCEEDED, now)
+        if old is not None:  # Replaced: the new value is the newest written.
+            del values[key]
+            self._used_bytes -= old_bytes
+        if not fits:
             self._evict_for(nbytes)
         values[key] = value
         self._used_bytes += nbytes
