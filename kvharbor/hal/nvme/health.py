@@ -271,7 +271,7 @@ def parse_fw_log(raw: dict[str, Any], where: str) -> FirmwareLog:
     if len(raw) != 1:
         raise NvmeCliError(f"{where}: expected one object named after the device, got {len(raw)} fields")
     inner = _Fields(next(iter(raw.values())), where)
-    active = inner.integer("Active Firmware Slot (afi)")
+    active = inner.integer("Active Firmware Slot (afi)") & 0x7  # AFI bits 2:0; 6:4 name the next reset's slot.
     revisions = []
     for name, value in inner.folded().items():
         slot = _SLOT.fullmatch(name)
