@@ -32,7 +32,8 @@ from kvharbor.hal.nvme.passthru import NVME_IOCTL_ADMIN64_CMD, NVME_IOCTL_IO64_C
 KERNEL_LAYOUT = {
     "opcode": (0, "B"), "flags": (1, "B"), "rsvd1": (2, "H"), "nsid": (4, "I"), "cdw2": (8, "I"), "cdw3": (12, "I"),
     "metadata": (16, "Q"), "addr": (24, "Q"), "metadata_len": (32, "I"), "data_len": (36, "I"),
-    "cdw10": (40, "I"), "cdw11": (44, "I"), "cdw12": (48, "I"), "cdw13": (52, "I"), "cdw14": (56, "I"), "cdw15": (60, "I"),
+    "cdw10": (40, "I"), "cdw11": (44, "I"), "cdw12": (48, "I"), "cdw13": (52, "I"),
+    "cdw14": (56, "I"), "cdw15": (60, "I"),
     "timeout_ms": (64, "I"), "rsvd2": (68, "I"), "result": (72, "Q"),
 }
 # fmt: on
