@@ -90,7 +90,7 @@ def test_id_ctrl_id_ns_error_log_fw_log(tmp_path: Path) -> None:
     ns = printing(tmp_path, "id_ns.jsonc")[0].id_ns()
     assert (ns.size_blocks, ns.used_blocks, ns.block_bytes) == (3907029168, 2579200, 4096)
     (error,) = printing(tmp_path, "error_log.jsonc")[0].error_log()
-    assert (error.error_count, error.cmdid, error.status_field, error.nsid) == (7, 42, 16519, 1)
+    assert (error.error_count, error.cmdid, error.status_field, error.nsid) == (7, 42, 0x4187, 1)
     fw = printing(tmp_path, "fw_log.jsonc")[0].fw_log()
     assert fw.active_slot == 1 and fw.revisions == ((1, "4B2QJXD7"), (2, "5B2QJXD7"))
 

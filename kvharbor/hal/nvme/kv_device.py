@@ -10,6 +10,10 @@ A host-side failure of the ioctl itself is typed too: EINTR and its kin are
 
 The namespace's largest value (Identify's maximum value length) caps
 ``max_value_bytes``; the cache fragments larger values to it.
+
+As a `CardDevice`, its health and aggregated status come from nvme-cli
+(`kvharbor.hal.nvme.card_view`); the controller's error log is its event log.
+The KV command set has no key eviction: enabling it is refused.
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ from collections.abc import Iterator, Sequence
 from kvharbor.hal.base import (
     Buffer,
     BufferTooSmall,
+    CardDevice,
+    CardEventRecord,
+    CardStatus,
     Device,
     DeviceError,
     DeviceTransient,
@@ -33,6 +40,9 @@ from kvharbor.hal.base import (
 )
 from kvharbor.hal.kv_judge import StatusJudge
 from kvharbor.hal.kv_status import SUCCESS, KvStatus
+from kvharbor.hal.nvme.card_view import capacity_usage, error_events, health_from_logs, supercap_state
+from kvharbor.hal.nvme.cli import NvmeCliError
+from kvharbor.hal.nvme.health import NvmeAdmin
 from kvharbor.hal.nvme.kv_commands import (
     IDENTIFY_BYTES,
     KEY_BYTES_MAX,
@@ -60,12 +70,23 @@ def _address(view: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view)) if view.nbytes else 0
 
 
-class NvmeKvDevice(Device):
+DRIVER_NAME = "kvharbor-nvme-kv"
+
+
+class NvmeKvDevice(Device, CardDevice):
     """A KV namespace opened by `open_kv_namespace`; keys are at most the namespace's
     maximum key length (16 bytes), values at most ``max_value_bytes``."""
 
     def __init__(
-        self, name: str, path: str, fd: int, nsid: int, info: KvNamespaceInfo, max_value_bytes: int, ioctl: IoctlFn
+        self,
+        name: str,
+        path: str,
+        fd: int,
+        nsid: int,
+        info: KvNamespaceInfo,
+        max_value_bytes: int,
+        ioctl: IoctlFn,
+        admin: NvmeAdmin,
     ) -> None:
         limits = info.limits
         super().__init__(name, min(max_value_bytes, limits.value_bytes_max))
@@ -75,6 +96,7 @@ class NvmeKvDevice(Device):
         self.keys_max = limits.keys_max
         self._fd = fd
         self._ioctl = ioctl
+        self._admin = admin
         self._judge = StatusJudge(name)
 
     # -- the device protocol -----------------------------------------------------
@@ -135,11 +157,58 @@ class NvmeKvDevice(Device):
         return Usage(info.used_bytes, info.size_bytes, sum(1 for _ in self._list_keys()))
 
     def health(self) -> Health:
+        """FAILED when the namespace does not answer Identify; else the SMART log's verdict.
+        Without nvme-cli the namespace is OK as far as it answers, and the detail says why
+        nothing more is known."""
         try:
             identify(self.name, self._fd, self.nsid, self._ioctl)
         except DeviceError as err:
             return Health(HealthState.FAILED, str(err))
-        return Health(HealthState.OK)
+        try:
+            return health_from_logs(self._admin.smart_log(), self._admin.ocp_smart_log())
+        except NvmeCliError as err:
+            return Health(HealthState.OK, f"answers KV commands; its SMART log is unknown: {err}")
+
+    # -- card abilities ----------------------------------------------------------
+
+    def card_status(self) -> CardStatus:
+        """Raises `DeviceError` naming the nvme-cli command that could not answer."""
+        try:
+            ctrl, smart, ocp = self._admin.id_ctrl(), self._admin.smart_log(), self._admin.ocp_smart_log()
+        except NvmeCliError as err:
+            raise DeviceError(self.name, str(err)) from None
+        usage = self.usage()
+        return CardStatus(
+            driver=DRIVER_NAME,
+            service="running",
+            firmware_version=ctrl.firmware,
+            temperature_c=float(smart.temperature_c),
+            supercap=supercap_state(smart, ocp),
+            flash_spare_percent=float(smart.available_spare_percent),
+            flash_wear_percent=float(smart.percent_used),
+            capacity_usage=capacity_usage(usage.used_bytes, usage.capacity_bytes),
+            used_bytes=usage.used_bytes,
+            capacity_bytes=usage.capacity_bytes,
+            keys=usage.keys,
+            keys_max=self.keys_max,
+            key_eviction=False,
+            paths=(self.path,),
+        )
+
+    def card_events(self, since_seq: int = 0) -> list[CardEventRecord]:
+        try:
+            return error_events(self._admin.error_log(), since_seq)
+        except NvmeCliError as err:
+            raise DeviceError(self.name, str(err)) from None
+
+    def set_key_eviction(self, enabled: bool) -> None:
+        """The KV command set refuses a store to a full namespace and never evicts; kvharbor
+        will not pretend otherwise (the cache's own capacity budget evicts instead)."""
+        if enabled:
+            raise ValueError(
+                f"tier '{self.name}': device {self.path}: an NVMe KV namespace has no key eviction; "
+                "set card.key_eviction: false (the cache then evicts within the tier's capacity)"
+            )
 
     def status_counts(self) -> dict[str, int]:
         """Answers other than success, by status code (misses included)."""
@@ -209,12 +278,15 @@ def identify(name: str, fd: int, nsid: int, ioctl: IoctlFn) -> KvNamespaceInfo:
     return parse_kv_identify(bytes(data))
 
 
-def open_kv_namespace(name: str, path: str, max_value_bytes: int, ioctl: IoctlFn = kernel_ioctl) -> NvmeKvDevice:
+def open_kv_namespace(
+    name: str, path: str, max_value_bytes: int, ioctl: IoctlFn = kernel_ioctl, admin: NvmeAdmin | None = None
+) -> NvmeKvDevice:
     """Open the KV namespace at ``path`` (``/dev/ngXnY``) for tier ``name``.
 
     Raises ValueError naming the tier and the device when the path does not exist,
     is not a character device, is not an NVMe device (the kernel refuses the NVMe
-    ioctl), or is an NVMe namespace without the Key Value command set.
+    ioctl), or is an NVMe namespace without the Key Value command set. ``admin`` (default:
+    nvme-cli on PATH for ``path``) answers health and status.
     """
     where = f"tier '{name}': device {path}"
     try:
@@ -242,7 +314,7 @@ def open_kv_namespace(name: str, path: str, max_value_bytes: int, ioctl: IoctlFn
             raise ValueError(
                 f"{where} is an NVMe namespace without the Key Value command set (Identify reports no KV format)"
             )
-        return NvmeKvDevice(name, path, fd, nsid, info, max_value_bytes, ioctl)
+        return NvmeKvDevice(name, path, fd, nsid, info, max_value_bytes, ioctl, admin or NvmeAdmin(path))
     except BaseException:
         os.close(fd)
         raise
