@@ -63,13 +63,15 @@ NVME_IOCTL_IO64_CMD = _iowr("N", 0x48, PASSTHRU_CMD64_BYTES)
 NVME_IOCTL_ADMIN64_CMD = _iowr("N", 0x47, PASSTHRU_CMD64_BYTES)
 
 IoctlFn: TypeAlias = Callable[[int, int, PassthruCmd64], int]
-"""``(fd, request, cmd) -> status``: submits ``cmd`` and waits for its completion.
+"""``(fd, request, cmd) -> int``: ``ioctl(fd, request, &cmd)``.
 
-Returns the completion's status field (0: success) and sets ``cmd.result`` to
-DW0; raises ``OSError`` when the host could not deliver the command (EINTR,
-ENOTTY for a file that is not an NVMe device, ENODEV for a vanished path).
-The buffer at ``cmd.addr`` is read (host to device) or written (device to host)
-according to the opcode's data direction."""
+For the passthrough requests it submits ``cmd``, waits for its completion,
+returns the completion's status field (0: success) and sets ``cmd.result`` to
+DW0; the buffer at ``cmd.addr`` is read (host to device) or written (device to
+host) according to the opcode's data direction. ``NVME_IOCTL_ID`` ignores
+``cmd`` and returns the namespace id. Raises ``OSError`` when the host could not
+deliver the command (EINTR, ENOTTY for a file that is not an NVMe device,
+ENODEV for a vanished path)."""
 
 
 def kernel_ioctl(fd: int, request: int, cmd: PassthruCmd64) -> int:
