@@ -137,3 +137,12 @@ def test_a_hung_nvme_cli_is_bounded(tmp_path: Path) -> None:
     cli, _ = fake_nvme(tmp_path, f"read line < {fifo}")
     with pytest.raises(NvmeCliError, match=r"fw-log /dev/ng0n1 -o json`: no answer within 0.2 s"):
         NvmeAdmin(DEVICE, NvmeCli(cli.binary, timeout_s=0.2)).fw_log()
+
+
+def test_a_failure_says_its_reason_not_the_usage_text_after_it(tmp_path: Path) -> None:
+    # nvme-cli 2.3 on a device path that does not exist: the reason, then its usage on stderr.
+    cli, _ = fake_nvme(
+        tmp_path, "printf '/dev/ng9n1: No such file or directory\\nUsage: nvme smart-log <device>\\n' >&2; exit 1"
+    )
+    with pytest.raises(NvmeCliError, match=r"failed \(exit 1\): /dev/ng9n1: No such file or directory$"):
+        NvmeAdmin("/dev/ng9n1", cli).smart_log()

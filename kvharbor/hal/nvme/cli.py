@@ -1,7 +1,7 @@
 """Running nvme-cli: ``nvme SUBCOMMAND [DEVICE] ... -o json``, bounded by a timeout.
 
 Every failure is one `NvmeCliError` whose message names the command line and the
-device: nvme-cli missing, a non-zero exit (with the last line it wrote to
+device: nvme-cli missing, a non-zero exit (with the first line it wrote to
 stderr), a timeout, or output that is not a JSON object. Callers never see a
 traceback for any of them.
 """
@@ -43,8 +43,9 @@ class NvmeCli:
         except subprocess.TimeoutExpired:
             raise NvmeCliError(f"`{line}`: no answer within {self.timeout_s:g} s") from None
         if done.returncode != 0:
-            said = done.stderr.strip().splitlines()
-            raise NvmeCliError(f"`{line}` failed (exit {done.returncode}): {said[-1] if said else 'no message'}")
+            # The first line is the reason; nvme-cli 2.3 follows a bad device path with its usage text.
+            said = [text.strip() for text in done.stderr.splitlines() if text.strip()]
+            raise NvmeCliError(f"`{line}` failed (exit {done.returncode}): {said[0] if said else 'no message'}")
         try:
             parsed = json.loads(done.stdout)
         except json.JSONDecodeError:
