@@ -39,7 +39,7 @@ from pathlib import Path
 
 from kvharbor.config import Config, validate_config
 from kvharbor.gateway.client import GatewayClient, GatewayError, GatewayNotRunning, GatewaySteppingAside
-from kvharbor.gateway.detach import log_path
+from kvharbor.gateway.detach import log_path, wait_for_exit
 from kvharbor.telemetry.log import get_logger
 
 _log = get_logger("kvharbor.gateway.embedded")
@@ -112,17 +112,10 @@ def _write_config(config: Config, path: Path) -> None:
 
 
 def _wait_for_exit(stepping_aside: GatewaySteppingAside, timeout_ms: int) -> None:
-    """Wait for a gateway that steps aside to have exited (released its socket's lock)."""
+    """Wait for a gateway that steps aside to have exited (and released its socket's lock)."""
     pid = stepping_aside.gateway_pid
-    try:
-        fd = os.pidfd_open(pid)
-    except (ProcessLookupError, ValueError, OSError):
-        return  # Gone already, or not visible from here (pid 0): the start below says if it is not.
-    try:
-        exited, _, _ = select.select([fd], [], [], timeout_ms / 1000)
-    finally:
-        os.close(fd)
-    if not exited:
+    # pid 0: not visible from here (another PID namespace); the start below says if it is still there.
+    if pid and not wait_for_exit(pid, timeout_ms / 1000):
         raise GatewayError(
             f"the embedded gateway (pid {pid}) that stepped aside did not exit within {timeout_ms} ms "
             f"(gateway.embedded_start_timeout_ms): {stepping_aside}"
