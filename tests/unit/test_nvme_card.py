@@ -4,11 +4,17 @@ by the KV controller stand-in."""
 
 from __future__ import annotations
 
+import os
 import stat
 from pathlib import Path
 
 import pytest
 
+from kvharbor.cache.assembly import open_tier
+from kvharbor.cache.breaker import BreakerState
+from kvharbor.cache.keys import LayoutFingerprint
+from kvharbor.cache.tier import Tier
+from kvharbor.config import validate_config
 from kvharbor.hal.base import CapacityUsage, DeviceError, HealthState
 from kvharbor.hal.nvme.card_view import ERROR_LOG_EVENT, capacity_usage
 from kvharbor.hal.nvme.cli import NvmeCli
@@ -88,3 +94,44 @@ def test_capacity_usage_levels() -> None:
         CapacityUsage.OK, CapacityUsage.OK, CapacityUsage.WARNING, CapacityUsage.WARNING,
         CapacityUsage.CRITICAL, CapacityUsage.CRITICAL,
     ]  # fmt: skip
+
+
+# -- the driver under the real tier --------------------------------------------
+
+FINGERPRINT = LayoutFingerprint(model_id="test/nvme", chunk_size=16).digest()
+
+
+def nvme_tier(device: NvmeKvDevice, **card_settings: object) -> Tier:
+    config = validate_config(
+        {"storage": {"tiers": [{"name": "card", "type": "nvme", "device": "/dev/ng0n1"}]}, "card": card_settings}
+    )
+    return open_tier(config.storage.tiers[0], config, device)
+
+
+def test_the_tier_fragments_values_to_the_namespaces_largest_value(tmp_path: Path) -> None:
+    standin = KvNamespaceStandIn(capacity_bytes=1 << 20, value_bytes_max=8192)
+    admin = NvmeAdmin("/dev/ng0n1", nvme_printing(tmp_path, "smart_log_v2.7.jsonc", None))
+    tier = nvme_tier(open_kv_namespace("card", "/dev/null", 1 << 20, standin, admin), key_eviction=False)
+    key, data = os.urandom(16), os.urandom(3 * 8192)
+    assert tier.write(key, FINGERPRINT, data)
+    assert tier.index.get(key).parts == 4  # type: ignore[union-attr]
+    assert all(len(v) <= 8192 for v in standin.values.values()) and len(standin.values) == 4
+    assert bytes(tier.read(key, FINGERPRINT) or b"") == data
+    standin.values.clear()  # The card lost them (a wipe behind the cache's back): a miss, never wrong bytes.
+    assert tier.read(key, FINGERPRINT) is None
+
+
+def test_a_full_namespace_is_counted_full_and_the_tier_stays_closed(tmp_path: Path) -> None:
+    standin = KvNamespaceStandIn(capacity_bytes=64 * 1024, value_bytes_max=64 * 1024)
+    admin = NvmeAdmin("/dev/ng0n1", nvme_printing(tmp_path, "smart_log_v2.7.jsonc", None))
+    tier = nvme_tier(open_kv_namespace("card", "/dev/null", 1 << 20, standin, admin), key_eviction=False)
+    standin.values[b"\xff" * 16] = bytes(60 * 1024)  # Another user of the namespace filled it.
+    assert not tier.write(os.urandom(16), FINGERPRINT, os.urandom(8 * 1024))
+    assert tier.counters.full == 1 and tier.breaker.state is BreakerState.CLOSED
+
+
+def test_the_default_key_eviction_is_refused_naming_the_setting(tmp_path: Path) -> None:
+    admin = NvmeAdmin("/dev/ng0n1", nvme_printing(tmp_path, "smart_log_v2.7.jsonc", None))
+    device = open_kv_namespace("card", "/dev/null", 1 << 20, KvNamespaceStandIn(), admin)
+    with pytest.raises(ValueError, match=r"set card\.key_eviction: false"):
+        nvme_tier(device)
