@@ -146,10 +146,13 @@ def profile_request(run: Callable[[], Any], trace_out: Path | None = None) -> tu
         trace = json.loads(Path(name).read_text())
     finally:
         os.unlink(name)
-    if trace_out is not None:
+    if trace_out is not None:  # Kept first: a trace this code misreads can be summarized again.
         with gzip.open(trace_out, "wt") as sink:
             json.dump(trace, sink)
-    summary = summarize(trace)
+    try:
+        summary = summarize(trace)
+    except Exception as err:  # A bench must not lose the run's timed figures to its own analysis.
+        summary = {"error": f"{type(err).__name__}: {err}", "steps_ms": {}}
     summary["ranges_wrapped"] = found
     return result, summary
 
