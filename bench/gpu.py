@@ -780,6 +780,9 @@ def bench_restart(args: argparse.Namespace) -> None:
             phase["restore_exit"] = spawn_engine(args, "restore", f"restart-{mode}-restore", [*extra, *extras])
         finally:
             server.stop()
+        detached_log = Path(server.section.socket + ".log")  # An embedded gateway's own log (it outlives engines).
+        if detached_log.exists():
+            (out_dir(args) / f"gateway-{mode}.log").write_bytes(detached_log.read_bytes())
         phase["wall_s"] = round(time.perf_counter() - started, 1)
     save(args, "restart", result)
 
