@@ -54,6 +54,8 @@ from kvharbor.hal.base import Buffer
 
 _Reply = TypeVar("_Reply", bound=p.Message)
 _TIMEVAL = struct.Struct("@ll")
+_UCRED = struct.Struct("@iII")
+"""struct ucred: pid, uid, gid (SO_PEERCRED)."""
 
 
 def _kernel_timeouts(sock: socket.socket, timeout_ms: int) -> None:
@@ -66,6 +68,12 @@ def _kernel_timeouts(sock: socket.socket, timeout_ms: int) -> None:
     sock.settimeout(None)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+
+
+def _peer_pid(sock: socket.socket) -> int:
+    """The pid of the process at the other end of a Unix socket (0 in another PID namespace)."""
+    pid, _, _ = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+    return int(pid)
 
 
 class GatewayError(Exception):
@@ -82,6 +90,16 @@ class GatewayNotRunning(GatewayUnavailable):
 
 class VersionMismatch(GatewayError):
     pass
+
+
+class GatewaySteppingAside(GatewayUnavailable):
+    """An idle embedded gateway that cannot serve this client exits instead (see
+    `kvharbor.gateway.lifetime`); once it has, a new one can be started."""
+
+    def __init__(self, text: str, gateway_pid: int) -> None:
+        super().__init__(f"STEPPING_ASIDE: {text}")
+        self.gateway_pid = gateway_pid
+        """The exiting gateway, from the socket's peer credentials; 0 if not visible here."""
 
 
 class GatewayRefused(GatewayError):
@@ -161,6 +179,10 @@ class GatewayClient:
             sock.close()
             raise GatewayUnavailable(f"gateway at {section.socket} did not complete the handshake: {err}") from None
         if isinstance(reply, p.Error):
+            if reply.code is p.ErrorCode.STEPPING_ASIDE:
+                pid = _peer_pid(sock)
+                sock.close()
+                raise GatewaySteppingAside(reply.text, pid)
             sock.close()
             if reply.code is p.ErrorCode.VERSION_MISMATCH:
                 raise VersionMismatch(f"VERSION_MISMATCH: {reply.text}")

@@ -64,6 +64,9 @@ class ErrorCode(enum.IntEnum):
     NOT_READY = 7
     """A request before the handshake."""
     INTERNAL = 8
+    STEPPING_ASIDE = 9
+    """An idle embedded gateway that cannot serve this client (another release, its
+    segment gone) exits instead; the client waits for its exit and starts its own."""
 
 
 class ProtocolError(Exception):
@@ -150,6 +153,10 @@ class _Reader:
             )
         return n
 
+    def skip_rest(self) -> None:
+        """Ignore what follows: fields a later release appended to an extensible message."""
+        self._at = self._size
+
     def end(self) -> None:
         if self._at != self._size:
             raise ProtocolError(ErrorCode.MALFORMED, f"{self._size - self._at} trailing bytes")
@@ -208,6 +215,10 @@ class Message:
 
 @dataclass(frozen=True, slots=True)
 class Hello(Message):
+    """The first message of every client. Its fields are frozen across releases, and a
+    later release may only append to it (ignored here): a gateway must be able to read
+    the HELLO of any release, to refuse it by name or to step aside for it."""
+
     TYPE: ClassVar[MessageType] = MessageType.HELLO
     protocol: int
     release: str
@@ -219,7 +230,9 @@ class Hello(Message):
 
     @classmethod
     def parse(cls, reader: _Reader) -> Hello:
-        return cls(reader.u32(), reader.text(), reader.u32(), reader.text())
+        hello = cls(reader.u32(), reader.text(), reader.u32(), reader.text())
+        reader.skip_rest()
+        return hello
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,6 +31,7 @@ from kvharbor.cache.assembly import device_limit, open_store
 from kvharbor.cache.store import TieredStore
 from kvharbor.config import MIB, Config
 from kvharbor.gateway import protocol as p
+from kvharbor.gateway.lifetime import Lifetime
 from kvharbor.gateway.shm import (
     PAGE_BYTES,
     Segment,
@@ -113,7 +114,9 @@ class GatewayCounters:
 
 
 class Gateway:
-    def __init__(self, config: Config, start_clean: bool = False) -> None:
+    def __init__(self, config: Config, start_clean: bool = False, linger_s: float = 0.0) -> None:
+        """``linger_s`` > 0: an embedded gateway whose life its clients decide (`Lifetime`);
+        0: it serves until stopped (a signal, or its embedding engine's exit)."""
         self.config = config
         self.start_clean = start_clean
         self.socket_path = Path(config.gateway.socket)
@@ -135,6 +138,7 @@ class Gateway:
         # up, so the process never exits half-way through it.
         self._stop_lock = threading.Lock()
         self._stopped = False
+        self._lifetime = Lifetime(linger_s, self.stop) if linger_s > 0 else None
 
     # -- life cycle --------------------------------------------------------
 
@@ -159,6 +163,8 @@ class Gateway:
         self._socket_bound = True
         listener.listen(gw.clients_max)
         self._listener = listener
+        if self._lifetime is not None:
+            self._lifetime.start()
         _log.info(
             "kvharbor: gateway %s (protocol %d, pid %d) serving %s, shared memory %s (%d MiB), start-clean=%d",
             __version__, p.PROTOCOL_VERSION, os.getpid(), self.socket_path, self.segment.path,
@@ -250,6 +256,8 @@ class Gateway:
                 return
             self._stopped = True
             self._stopping.set()
+            if self._lifetime is not None:
+                self._lifetime.close()
             if self._listener is not None:
                 with contextlib.suppress(OSError):
                     self._listener.shutdown(socket.SHUT_RDWR)
@@ -335,7 +343,9 @@ class Gateway:
                     reply = self._answer(connection, frame.type, body)
                 except p.ProtocolError as err:
                     self._reject(connection, err, frame.request_id)
-                    if err.code is p.ErrorCode.VERSION_MISMATCH:
+                    if err.code is p.ErrorCode.STEPPING_ASIDE and self._lifetime is not None:
+                        self._lifetime.told()  # Only now: its stop hangs up on this connection too.
+                    if err.code in (p.ErrorCode.VERSION_MISMATCH, p.ErrorCode.STEPPING_ASIDE):
                         return
                     continue
                 send_message(sock, reply, frame.request_id)
@@ -379,6 +389,8 @@ class Gateway:
         with self._clients_lock:
             self._clients.pop(connection.sock, None)
         connection.sock.close()
+        if connection.greeted and self._lifetime is not None:
+            self._lifetime.detach()  # Last: every request of this client has been answered.
 
     def _handle(self, message: p.Message, connection: _Connection) -> p.Message:
         store, transfers, progress = self.store, self.transfers, connection.progress
@@ -411,16 +423,45 @@ class Gateway:
         raise p.ProtocolError(p.ErrorCode.MALFORMED, f"{type(message).__name__} is not a request")
 
     def _hello(self, hello: p.Hello) -> p.Message:
-        if hello.protocol != p.PROTOCOL_VERSION or hello.release != __version__:
-            raise p.ProtocolError(
-                p.ErrorCode.VERSION_MISMATCH,
-                f"client {hello.client!r} (pid {hello.pid}) is release {hello.release} protocol {hello.protocol}; "
-                f"gateway is release {__version__} protocol {p.PROTOCOL_VERSION}: deploy both from the same release",
-            )
         assert self.segment is not None
+        who = f"client {hello.client!r} (pid {hello.pid})"
+        if hello.protocol != p.PROTOCOL_VERSION or hello.release != __version__:
+            mismatch = (
+                f"{who} is release {hello.release} protocol {hello.protocol}; "
+                f"gateway (pid {os.getpid()}) is release {__version__} protocol {p.PROTOCOL_VERSION}"
+            )
+            self._step_aside(f"{who} is release {hello.release}", f"VERSION_MISMATCH, {mismatch}")
+            raise p.ProtocolError(p.ErrorCode.VERSION_MISMATCH, f"{mismatch}: {self._mismatch_hint()}")
+        if self._lifetime is not None:
+            if not self.segment.path.exists():
+                self._step_aside(f"its shared memory {self.segment.path} was removed", "")
+            if not self._lifetime.attach():
+                raise p.ProtocolError(p.ErrorCode.STEPPING_ASIDE, f"embedded gateway (pid {os.getpid()}) is stopping")
         _log.info("kvharbor: client %r (pid %d) attached", hello.client, hello.pid)
         return p.HelloOk(
             p.PROTOCOL_VERSION, __version__, str(self.segment.path), self.segment.size, self.ring_bytes, os.getpid()
+        )
+
+    def _step_aside(self, why: str, detail: str) -> None:
+        """An embedded gateway with no clients that cannot serve a new one exits for it:
+        raises STEPPING_ASIDE (the client waits for the exit, then starts its own)."""
+        if self._lifetime is not None and self._lifetime.step_aside(why):
+            raise p.ProtocolError(
+                p.ErrorCode.STEPPING_ASIDE,
+                f"{detail + '; ' if detail else ''}embedded gateway (pid {os.getpid()}) had no clients and "
+                f"steps aside ({why}): wait for it to exit, then start a new one",
+            )
+
+    def _mismatch_hint(self) -> str:
+        """How to clear a refused release, for the one who reads the refusal."""
+        if self._lifetime is not None:
+            return (
+                f"it serves {self._lifetime.clients} client(s) of its release and steps aside once they detach; "
+                "or deploy both from the same release"
+            )
+        return (
+            f"deploy both from the same release, or stop this gateway (kill {os.getpid()}) and start the one "
+            "of the engine's release"
         )
 
     # -- helpers -----------------------------------------------------------

@@ -30,6 +30,8 @@ WAIT_S = 30.0
 """Bound on every wait for a process or a condition; far above what a healthy run needs."""
 WORKER = Path(__file__).with_name("client_worker.py")
 FINGERPRINT = bytes(range(KEY_BYTES))
+VALUE_BYTES = 100_000
+"""The size of the values the embedded workers store."""
 
 
 def value_for(key: bytes, size: int) -> bytes:
@@ -285,6 +287,8 @@ class Lab:
         self.gateways: list[GatewayProcess] = []
         self.workers: list[Worker] = []
         self.shm: set[tuple[Path, str]] = set()
+        self.detached: set[int] = set()
+        """Pids of embedded gateways (no children of ours: they linger) to end at teardown."""
 
     def config(self, name: str = "gw", **kw: Any) -> Path:
         path = write_config(self.tmp_path / name, **kw)
@@ -307,5 +311,9 @@ class Lab:
         for gateway in self.gateways:
             if gateway.process is not None:
                 gateway.kill()
+        for pid in self.detached:
+            if pid_running(pid):
+                os.kill(pid, signal.SIGKILL)
+                wait_for_exit(pid)
         for shm_dir, shm_name in self.shm:
             remove_segments(shm_dir, shm_name)
