@@ -284,7 +284,7 @@ def load_sections(sections: dict[str, Any]) -> Any:
 
 
 def gateway_config(socket_dir: Path, tiers: list[dict[str, Any]], ring_mb: int) -> Any:
-    return load_sections(kvharbor_sections(socket_dir, f"kvh-bench-{os.getpid()}", tiers, ring_mb))
+    return load_sections(kvharbor_sections(socket_dir, f"kvh-bench-{os.getpid()}", tiers, ring_mb, linger_s=0))
 
 
 def bench_gateway(args: argparse.Namespace) -> None:
@@ -448,12 +448,13 @@ def engine_transfer(args: argparse.Namespace, work: Path) -> dict[str, Any] | No
     mode = args.mode
     if args.kvharbor:  # The restart roles: the orchestrator's config, shared by both processes.
         return kvharbor_transfer(json.loads(Path(args.kvharbor).read_text()))
+    # One engine per mode, each with its own gateway: none outlives its engine (the restart part's does).
     if mode == "kvharbor":
         ram = [{"name": "ram", "type": "ram", "capacity_gb": 24}]
-        return kvharbor_transfer(kvharbor_sections(work, f"kvh-e2e-{os.getpid()}", ram, 4096))
+        return kvharbor_transfer(kvharbor_sections(work, f"kvh-e2e-{os.getpid()}", ram, 4096, linger_s=0))
     if mode == "slowtier":
         tier = {"name": "disk", "type": "file", "path": str(work / "tier"), "capacity_gb": 12, "fsync": False}
-        return kvharbor_transfer(kvharbor_sections(work, f"kvh-e2e-{os.getpid()}", [tier], 4096))
+        return kvharbor_transfer(kvharbor_sections(work, f"kvh-e2e-{os.getpid()}", [tier], 4096, linger_s=0))
     if mode == "native":
         return {
             "kv_connector": "OffloadingConnector",

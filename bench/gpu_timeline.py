@@ -47,7 +47,6 @@ RANGES: tuple[tuple[str, str, str], ...] = (
     ("kvharbor.connector.vllm.scheduler", "SchedulerSide.update_state_after_alloc", "kvh.plan_load"),
     ("kvharbor.connector.vllm.scheduler", "SchedulerSide.build_meta", "kvh.build_meta"),
     ("kvharbor.connector.vllm.worker", "WorkerSide.load", "kvh.load"),
-    ("kvharbor.connector.vllm.gpu", "GpuWorkerPath.load", "kvh.path_load"),
     ("kvharbor.connector.vllm.datapath", "DataPath.load", "kvh.path_load"),
     ("kvharbor.gateway.client", "GatewayClient.lookup", "kvh.lookup_rpc"),
     ("kvharbor.gateway.client", "GatewayClient.get", "kvh.get"),
