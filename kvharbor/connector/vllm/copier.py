@@ -51,6 +51,10 @@ def no_wait() -> None:
     pass
 
 
+class StagingUnavailable(Exception):
+    """The device has no room for the staging loads pass through."""
+
+
 class StepSave(Protocol):
     """One step's saves of ``chunks`` chunks: gathered during the step, copied out behind it."""
 
@@ -88,6 +92,10 @@ class PageCopy(Protocol):
 
     @property
     def chunk_bytes(self) -> int: ...
+
+    def reserve_loads(self) -> None:
+        """Allocate what loads pass through, before the first one (at start): the first
+        restore pays no allocation. Raises `StagingUnavailable` when it does not fit."""
 
     def stage_load(self, mapping: PinnedMapping, view: memoryview, first: int, block_ids: Sequence[int]) -> None:
         """Add a stored chunk to the load request in progress: its blocks ``first ..
@@ -158,6 +166,9 @@ class HostCopy:
         pages = self.pages
         flat = mapping.tensor[offset : offset + self.chunk_bytes].view(pages.dtype)
         return list(flat.view(len(pages.layers), self.blocks_per_chunk, *pages.page_shape).unbind(0))
+
+    def reserve_loads(self) -> None:
+        pass  # Loads copy straight into the cache tensors.
 
     def stage_load(self, mapping: PinnedMapping, view: memoryview, first: int, block_ids: Sequence[int]) -> None:
         self._stage.add(mapping, view, first, block_ids)
@@ -258,10 +269,30 @@ class DeviceCopy:
     def chunk_bytes(self) -> int:
         return self.pages.chunk_bytes(self.blocks_per_chunk)
 
-    def index(self, values: Sequence[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+    def index(self, *rows: Sequence[int]) -> torch.Tensor:
+        """``rows`` of equal length as one ``(len(rows), n)`` index tensor on the device, sent in
+        one copy from page-locked memory (from pageable memory each copy is staged by the
+        driver, and a load request needs three rows)."""
+        host = torch.tensor(rows, dtype=torch.long)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        return host.to(self.device, non_blocking=True)
 
     # -- loads: shared memory -> staging slot -> blocks ---------------------------------
+
+    def reserve_loads(self) -> None:
+        """The two staging slots, allocated once (they stay for the engine's life)."""
+        if self._slots:
+            return
+        nbytes = self.chunks_per_load * self.chunk_bytes
+        try:
+            self._slots = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        except torch.OutOfMemoryError:
+            self._slots = []
+            raise StagingUnavailable(
+                f"the two load staging slots of {nbytes >> 20} MiB (engine.load_batch_mb) do not fit "
+                f"in the free memory of {self.device}"
+            ) from None
 
     def stage_load(self, mapping: PinnedMapping, view: memoryview, first: int, block_ids: Sequence[int]) -> None:
         self._stage.add(mapping, view, first, block_ids)
@@ -272,11 +303,7 @@ class DeviceCopy:
         staged = self._stage.take()
         if not staged:
             return no_wait
-        if not self._slots:
-            self._slots = [
-                torch.empty(self.chunks_per_load * self.chunk_bytes, dtype=torch.uint8, device=self.device)
-                for _ in range(2)
-            ]
+        self.reserve_loads()  # Done at start when the data path maps its memory.
         slot_index = self._next_slot
         self._next_slot = (slot_index + 1) % len(self._slots)
         slot = self._slots[slot_index]
@@ -302,7 +329,7 @@ class DeviceCopy:
             self._scatter.wait(engine)
             self._scatter.wait(copied)
             pages = slot[: len(staged) * size].view(self.pages.dtype).view(len(staged), len(layers), -1, elems)
-            c_index, b_index, t_index = self.index(chunk_index), self.index(block_index), self.index(targets)
+            c_index, b_index, t_index = self.index(chunk_index, block_index, targets)
             ready = []
             for layer_index, layer in enumerate(layers):
                 rows = pages[c_index, layer_index, b_index]
@@ -342,7 +369,7 @@ class DeviceCopy:
             raise ValueError(f"{len(flat)} blocks for {chunks} whole chunks of {self.blocks_per_chunk} blocks")
         try:
             with self.gathers.on():
-                ids = self.index(flat)
+                ids = self.index(flat)[0]
                 staging = torch.empty(
                     (chunks, len(self.pages.layers), self.blocks_per_chunk, self.pages.page_elems),
                     dtype=self.pages.dtype,
