@@ -150,7 +150,7 @@ def bench_raw(args: argparse.Namespace) -> None:
     import torch
 
     from kvharbor.config import EngineSection
-    from kvharbor.connector.vllm.copier import DeviceCopy
+    from kvharbor.connector.vllm.device_copy import DeviceCopy
     from kvharbor.connector.vllm.pinning import PinnedMapping, cuda_host_register
     from kvharbor.gateway.shm import Segment
 
@@ -292,8 +292,8 @@ def bench_gateway(args: argparse.Namespace) -> None:
 
     from kvharbor.config import EngineSection
     from kvharbor.connector.link import CacheLink, RankSwitch
-    from kvharbor.connector.vllm.copier import DeviceCopy
     from kvharbor.connector.vllm.datapath import DataPath
+    from kvharbor.connector.vllm.device_copy import DeviceCopy
     from kvharbor.connector.vllm.pinning import cuda_host_register
     from kvharbor.gateway.client import GatewayClient
 

@@ -1,4 +1,4 @@
-"""The worker's data path (`datapath`, `copier`, `pinning`, `streams`, `timing`) on CPU tensors.
+"""The worker's data path (`datapath`, the copy backends, `pinning`, `streams`, `timing`) on CPU tensors.
 
 One set of pipeline tests runs over both copy backends: `HostCopy` (the CPU
 engine's) and `DeviceCopy` (the GPU engine's), whose streams and events are
@@ -24,8 +24,10 @@ pytest.importorskip("vllm")
 
 from kvharbor.config import Config, EngineSection  # noqa: E402
 from kvharbor.connector.link import CacheLink, RankSwitch  # noqa: E402
-from kvharbor.connector.vllm.copier import DeviceCopy, HostCopy, PageCopy  # noqa: E402
+from kvharbor.connector.vllm.copier import PageCopy  # noqa: E402
 from kvharbor.connector.vllm.datapath import DataPath  # noqa: E402
+from kvharbor.connector.vllm.device_copy import DeviceCopy  # noqa: E402
+from kvharbor.connector.vllm.host_copy import HostCopy  # noqa: E402
 from kvharbor.connector.vllm.metadata import ChunkTransfer, KVHarborMetadata  # noqa: E402
 from kvharbor.connector.vllm.pages import block_first, block_major  # noqa: E402
 from kvharbor.connector.vllm.pinning import PinError, PinnedMapping  # noqa: E402

@@ -30,8 +30,10 @@ import torch
 from kvharbor.cache.bandwidth import keep_loading
 from kvharbor.config import Config
 from kvharbor.connector.link import CacheLink
-from kvharbor.connector.vllm.copier import DeviceCopy, HostCopy, PageCopy
+from kvharbor.connector.vllm.copier import PageCopy
 from kvharbor.connector.vllm.datapath import DataPath, SaveParts
+from kvharbor.connector.vllm.device_copy import DeviceCopy
+from kvharbor.connector.vllm.host_copy import HostCopy
 from kvharbor.connector.vllm.layout import VllmLayout
 from kvharbor.connector.vllm.metadata import ChunkTransfer, KVHarborMetadata
 from kvharbor.connector.vllm.pinning import cuda_host_register
