@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 from pathlib import Path
 
 LOG_SUFFIX = ".log"
@@ -50,3 +51,17 @@ def detach(ready_fd: int, log: Path) -> None:
     with contextlib.suppress(BrokenPipeError):
         os.write(ready_fd, f"pid {pid}\n".encode())
     os._exit(0)  # Not sys.exit: nothing of this process (atexit, buffers) is the intermediate's to run.
+
+
+def wait_for_exit(pid: int, timeout_s: float) -> bool:
+    """Wait for a process that is not our child (a detached gateway) to exit, through a
+    pidfd; False if it still runs after ``timeout_s``. True for a pid that is gone already."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        exited, _, _ = select.select([fd], [], [], timeout_s)
+    finally:
+        os.close(fd)
+    return bool(exited)

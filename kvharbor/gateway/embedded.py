@@ -27,6 +27,7 @@ one could not fix it.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -39,7 +40,7 @@ from pathlib import Path
 
 from kvharbor.config import Config, validate_config
 from kvharbor.gateway.client import GatewayClient, GatewayError, GatewayNotRunning, GatewaySteppingAside
-from kvharbor.gateway.detach import log_path
+from kvharbor.gateway.detach import log_path, wait_for_exit
 from kvharbor.telemetry.log import get_logger
 
 _log = get_logger("kvharbor.gateway.embedded")
@@ -112,17 +113,10 @@ def _write_config(config: Config, path: Path) -> None:
 
 
 def _wait_for_exit(stepping_aside: GatewaySteppingAside, timeout_ms: int) -> None:
-    """Wait for a gateway that steps aside to have exited (released its socket's lock)."""
+    """Wait for a gateway that steps aside to have exited (and released its socket's lock)."""
     pid = stepping_aside.gateway_pid
-    try:
-        fd = os.pidfd_open(pid)
-    except (ProcessLookupError, ValueError, OSError):
-        return  # Gone already, or not visible from here (pid 0): the start below says if it is not.
-    try:
-        exited, _, _ = select.select([fd], [], [], timeout_ms / 1000)
-    finally:
-        os.close(fd)
-    if not exited:
+    # pid 0: not visible from here (another PID namespace); the start below says if it is still there.
+    if pid and not wait_for_exit(pid, timeout_ms / 1000):
         raise GatewayError(
             f"the embedded gateway (pid {pid}) that stepped aside did not exit within {timeout_ms} ms "
             f"(gateway.embedded_start_timeout_ms): {stepping_aside}"
@@ -174,21 +168,20 @@ def _start_child(config: Config) -> None:
         os.close(ready_read)
     pid_line, _, rest = (answer or b"").partition(b"\n")
     pid = int(pid_line.removeprefix(b"pid ")) if pid_line.startswith(b"pid ") else None
-    if answer is None and pid is not None:
-        os.kill(pid, signal.SIGKILL)  # Hung in its start: it must not serve later, unseen.
-    if pid is None:
-        intermediate.kill()  # Not forked yet: only the intermediate runs, if at all.
+    if answer is None:
+        # Past the deadline: end what runs of it, so that it cannot serve later, unseen.
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        intermediate.kill()
     code = intermediate.wait()
-    if pid is None or rest != b"ready\n":
-        if pid is None:
-            state = f"exited with code {code}" if answer is not None else "did not start"
-        else:
-            state = "exited before it was ready" if answer is not None else "did not become ready"
-        raise GatewayError(
-            f"the embedded gateway{f' (pid {pid})' if pid else ''} {state} within "
-            f"{section.embedded_start_timeout_ms} ms (gateway.embedded_start_timeout_ms); "
-            f"{_log_tail(log_path(socket_path)) if pid else 'its log above says why'}"
-        )
+    limit = f"within {section.embedded_start_timeout_ms} ms (gateway.embedded_start_timeout_ms)"
+    if pid is None:  # It failed before it forked the gateway (the config, the interpreter).
+        state = "did not start" if answer is None else f"exited with code {code}"
+        raise GatewayError(f"the embedded gateway {state} {limit}; its log above says why")
+    if rest != b"ready\n":
+        state = "did not become ready" if answer is None else "exited before it was ready"
+        raise GatewayError(f"the embedded gateway (pid {pid}) {state} {limit}; {_log_tail(log_path(socket_path))}")
     _STARTED.append(pid)
     lifetime = (
         "it lives as long as this process (gateway.linger_s 0)"

@@ -358,6 +358,9 @@ class Gateway:
         message = p.decode_body(kind, body)
         if not connection.greeted and not isinstance(message, p.Hello):
             raise p.ProtocolError(p.ErrorCode.NOT_READY, "the first message must be HELLO")
+        if connection.greeted and isinstance(message, p.Hello):
+            # One client per connection: a second HELLO must not count it twice (see `Lifetime`).
+            raise p.ProtocolError(p.ErrorCode.MALFORMED, "HELLO was sent already on this connection")
         try:
             reply = self._handle(message, connection)
         except (p.ProtocolError, OSError):

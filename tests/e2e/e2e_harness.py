@@ -26,7 +26,10 @@ from typing import Any
 
 import yaml
 
+from kvharbor.config import load_config
 from kvharbor.demo.server import VllmServer
+from kvharbor.gateway.client import GatewayClient, GatewayError
+from kvharbor.gateway.detach import log_path, wait_for_exit
 from kvharbor.hal.file import FileDevice
 
 DRIVER = Path(__file__).with_name("driver.py")
@@ -104,7 +107,8 @@ class Lab:
         self._runs = 0
         self._services: list[subprocess.Popen[bytes]] = []
 
-    def write_config(self, mode: str = "embedded", **engine: Any) -> Path:
+    def write_config(self, mode: str = "embedded", tiers: list[dict[str, Any]] | None = None, **engine: Any) -> Path:
+        """The lab's config (a file tier unless ``tiers`` says otherwise); ``engine``: its engine section."""
         document: dict[str, Any] = {
             "gateway": {
                 "mode": mode,
@@ -113,7 +117,9 @@ class Lab:
                 "ring_mb": 64,
                 "shm_reserve_mb": 0,
             },
-            "storage": {"tiers": [{"name": "local", "type": "file", "path": str(self.cache), "capacity_gb": 2}]},
+            "storage": {
+                "tiers": tiers or [{"name": "local", "type": "file", "path": str(self.cache), "capacity_gb": 2}]
+            },
         }
         if engine:
             document["engine"] = engine
@@ -188,7 +194,28 @@ class Lab:
         path = self.root / "gateway.log"
         return path.read_text(errors="replace") if path.exists() else ""
 
+    def embedded_gateway_log(self) -> str:
+        """The log of the embedded gateway an engine started (it writes beside its socket)."""
+        path = log_path(self.socket)
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def gateway_client(self) -> GatewayClient:
+        """A client of the lab's gateway, for its status (it counts as attached while open)."""
+        return GatewayClient.connect(load_config(self.config_path, environ={}).gateway, "e2e-test")
+
+    def _end_lingering_gateway(self) -> None:
+        """An embedded gateway outlives its engines (gateway.linger_s): end it with the test."""
+        try:
+            client = self.gateway_client()
+        except GatewayError:
+            return  # None answers (or one we cannot use: it stops with its test's processes).
+        pid = client.hello.gateway_pid
+        client.close()
+        os.kill(pid, signal.SIGTERM)
+        assert wait_for_exit(pid, READY_TIMEOUT_S), f"the embedded gateway (pid {pid}) did not stop on SIGTERM"
+
     def close(self) -> None:
+        self._end_lingering_gateway()
         for process in self._services:
             if process.poll() is None:
                 process.send_signal(signal.SIGKILL)
@@ -198,12 +225,16 @@ class Lab:
         shutil.rmtree(self.runtime, ignore_errors=True)
 
 
-def start_server(lab: Lab) -> VllmServer:
-    """vLLM's OpenAI server on the tiny model with ``KVHARBOR=1``, multiprocessing on (as users run it)."""
+def start_server(lab: Lab, graceful: bool = True) -> VllmServer:
+    """vLLM's OpenAI server on the tiny model with ``KVHARBOR=1``, multiprocessing on (as users run it).
+
+    ``graceful``: ``--shutdown-timeout 30``, which lets the workers finish their last saves;
+    else vLLM's default (0 s), which kills the engine and all its descendants at once.
+    """
     env = lab.env()
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
     log = lab.root / f"server-{uuid.uuid4().hex[:6]}.log"
-    # A graceful stop lets the workers finish their last saves; vLLM's default
-    # (0 s) kills the engine and its children at once, in-flight writes included.
-    args = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "4096", "--shutdown-timeout", "30"]
+    args = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "4096"]
+    if graceful:
+        args += ["--shutdown-timeout", "30"]
     return VllmServer(lab.model, log, env, name="tiny", args=args, cwd=lab.root)

@@ -24,6 +24,7 @@ import yaml
 
 from kvharbor.cache.keys import KEY_BYTES
 from kvharbor.config import Config, load_config
+from kvharbor.gateway import detach
 from kvharbor.gateway.client import GatewayClient, PutBatch
 
 WAIT_S = 30.0
@@ -83,16 +84,8 @@ def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = WAIT
 
 
 def wait_for_exit(pid: int, timeout_s: float = WAIT_S) -> None:
-    """Wait for any process (not only a child) to exit, through a pidfd."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return
-    try:
-        ready, _, _ = select.select([fd], [], [], timeout_s)
-        assert ready, f"pid {pid} still running after {timeout_s} s"
-    finally:
-        os.close(fd)
+    """Wait for any process (not only a child) to exit."""
+    assert detach.wait_for_exit(pid, timeout_s), f"pid {pid} still running after {timeout_s} s"
 
 
 def pid_running(pid: int) -> bool:

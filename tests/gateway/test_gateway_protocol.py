@@ -145,3 +145,12 @@ def test_a_full_batch_fits_the_smallest_message_limit() -> None:
         len(p.Lookup(0, full).body()),
     )
     assert largest <= smallest
+
+
+def test_a_hello_with_fields_of_a_later_release_is_read() -> None:
+    """A gateway must read any release's HELLO (to refuse it by name, or step aside for it):
+    a later release may append fields, which are ignored. Other messages stay strict."""
+    hello = p.Hello(p.PROTOCOL_VERSION + 1, "9.9.9", 42, "engine")
+    assert p.decode_body(p.MessageType.HELLO, hello.body() + b"config digest of a later release") == hello
+    with pytest.raises(ProtocolError, match="trailing bytes"):
+        p.decode_body(p.MessageType.STATUS, p.Status().body() + b"x")
