@@ -36,9 +36,12 @@ from typing import Any
 RANGES: tuple[tuple[str, str, str], ...] = (
     # (module, Class.method, range name); those a version does not have are skipped.
     ("vllm.v1.engine.llm_engine", "LLMEngine.add_request", "vllm.add_request"),
+    ("vllm.v1.engine.input_processor", "InputProcessor.process_inputs", "vllm.process_inputs"),
+    ("vllm.v1.engine.core", "EngineCore.preprocess_add_request", "vllm.preprocess_add_request"),  # block hashes
     ("vllm.v1.engine.core", "EngineCore.add_request", "vllm.core_add_request"),
     ("vllm.v1.core.sched.scheduler", "Scheduler.schedule", "vllm.schedule"),
     ("vllm.v1.core.sched.scheduler", "Scheduler.update_from_output", "vllm.update_from_output"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.execute_model", "vllm.execute_model"),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._update_states", "vllm.update_states"),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._prepare_inputs", "vllm.prepare_inputs"),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._model_forward", "vllm.forward"),
