@@ -47,8 +47,8 @@ class Lifetime:
         self._stop = stop
         self._cond = threading.Condition()
         self._clients = 0
-        self._deadline: float | None = time.monotonic() + linger_s
-        """When the idle gateway stops; None while it has clients."""
+        self._deadline: float | None = None
+        """When the idle gateway stops; None while it has clients (or before `start`)."""
         self._lingering = False
         """True once a last client detached, until the next one attaches."""
         self._ending = False
@@ -60,7 +60,11 @@ class Lifetime:
         self._thread = threading.Thread(target=self._run, daemon=True, name="kvharbor-lifetime")
 
     def start(self) -> None:
-        """Start the countdown (a gateway that never gets a client still ends)."""
+        """Start the countdown once the gateway serves (a gateway that never gets a client
+        still ends): not before, or a slow start (a large segment) would eat into it."""
+        with self._cond:
+            if self._clients == 0:
+                self._deadline = time.monotonic() + self.linger_s
         self._thread.start()
 
     @property
