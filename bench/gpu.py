@@ -671,8 +671,10 @@ def restart_role(
         result["settle_s"] = round(engine.settle(chunks * engine.chunk_bytes()), 2)
         return
     for length in lengths:
-        result[str(length)] = {"restart": engine.generate(prompt(length, length, vocab))}
-        print(f"[{args.tag}] {length}: {json.dumps(result[str(length)])}", flush=True)
+        ids = prompt(length, length, vocab)
+        entry = result[str(length)] = {}
+        entry["restart"], entry["restart_clock"] = clock_request(lambda ids=ids: engine.generate(ids))
+        print(f"[{args.tag}] {length}: {json.dumps(entry['restart'])} {entry['restart_clock']['steps_ms']}", flush=True)
         write()
     if not args.extras:
         return
@@ -764,8 +766,10 @@ def bench_restart(args: argparse.Namespace) -> None:
     result: dict[str, Any] = {"lengths": lengths, "ram_gb": args.ram_gb, "ring_mb": RESTART_RING_MB, "phases": {}}
     phases = result["phases"]
     common = ["--lengths", lengths, "--warmup-tokens", str(RESTART_WARMUP_TOKENS)]
-    phases["recompute"] = {"exit": spawn_engine(args, "recompute", "restart-recompute", common)}
-    for mode in args.gateways.split(","):
+    chosen = args.phases.split(",")
+    if "recompute" in chosen:
+        phases["recompute"] = {"exit": spawn_engine(args, "recompute", "restart-recompute", common)}
+    for mode in (m for m in chosen if m != "recompute"):
         started = time.perf_counter()
         (work / mode).mkdir(parents=True, exist_ok=True)
         gateway = {"mode": "service"} if mode == "service" else {}  # embedded: the defaults (it lingers)
@@ -914,7 +918,9 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=131072)
     parser.add_argument("--warmup-tokens", type=int, default=2048, help="engine: the warm-up prompt's length")
     parser.add_argument("--ram-gb", type=float, default=22.0, help="restart: the RAM tier's capacity")
-    parser.add_argument("--gateways", default="service,embedded", help="restart: the gateway modes, in order")
+    parser.add_argument(
+        "--phases", default="recompute,service,embedded", help="restart: recompute and the gateway modes, in order"
+    )
     parser.add_argument("--extras-for", default="service", help="restart: the mode whose restore adds the breakdown")
     # The engine part's own (the parts above start it).
     parser.add_argument("--mode", help=argparse.SUPPRESS)

@@ -46,6 +46,10 @@ RANGES: tuple[tuple[str, str, str], ...] = (
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._prepare_inputs", "vllm.prepare_inputs"),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._model_forward", "vllm.forward"),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.sample_tokens", "vllm.sample_tokens"),
+    # vLLM 0.26 on the H200 runs the second model runner (its forward is inline in execute_model).
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.execute_model", "vllm.execute_model"),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.prepare_inputs", "vllm.prepare_inputs"),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.sample_tokens", "vllm.sample_tokens"),
     ("kvharbor.connector.vllm.scheduler", "SchedulerSide.get_num_new_matched_tokens", "kvh.lookup"),
     ("kvharbor.connector.vllm.scheduler", "SchedulerSide.update_state_after_alloc", "kvh.plan_load"),
     ("kvharbor.connector.vllm.scheduler", "SchedulerSide.build_meta", "kvh.build_meta"),
@@ -98,33 +102,44 @@ def _record_function(original: Any, name: str) -> Any:
     return wrapper
 
 
+GPU_MARKS = ("kvh.load", "vllm.sample_tokens")
+"""Ranges whose end `clock_request` also marks on the engine's stream: from the load's end
+(its copies have landed) to sampling's end is the GPU time of the forward pass and sampling."""
+
+
 class _Clock:
     """The light alternative to the profiler: wall-clock spans of the wrapped methods (a
-    microsecond each), and the forward pass's GPU time from CUDA events on the engine's stream."""
+    microsecond each), and CUDA events on the engine's stream at the ends of `GPU_MARKS`."""
 
     def __init__(self) -> None:
         self.spans: list[tuple[str, float, float]] = []
-        self.forward_events: list[tuple[Any, Any]] = []
+        self.gpu_marks: list[tuple[str, Any]] = []
 
     def wrap(self, original: Any, name: str) -> Any:
         import torch
 
-        timed_on_gpu = name == "vllm.forward" and torch.cuda.is_available()
+        marked = name in GPU_MARKS and torch.cuda.is_available()
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             begin = time.perf_counter()
-            if timed_on_gpu:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
             try:
                 return original(*args, **kwargs)
             finally:
-                if timed_on_gpu:
-                    end.record()
-                    self.forward_events.append((start, end))
+                if marked:
+                    event = torch.cuda.Event(enable_timing=True)
+                    event.record()
+                    self.gpu_marks.append((name, event))
                 self.spans.append((name, begin, time.perf_counter()))
 
         return wrapper
+
+    def after_load_gpu_ms(self) -> float | None:
+        """GPU time from the end of the (last) load that moved data to the end of sampling."""
+        loads = [e for n, e in self.gpu_marks if n == "kvh.load"]
+        samples = [e for n, e in self.gpu_marks if n == "vllm.sample_tokens"]
+        if not loads or not samples:
+            return None
+        return round(loads[0].elapsed_time(samples[-1]), 3)
 
 
 def profile_request(run: Callable[[], Any], trace_out: Path | None = None) -> tuple[Any, dict[str, Any]]:
@@ -184,8 +199,8 @@ def clock_request(run: Callable[[], Any]) -> tuple[Any, dict[str, Any]]:
         entry["last_end_ms"] = ms(end)
     gets = sorted((s for s in clock.spans if s[0] == "kvh.get"), key=lambda s: s[1])
     summary: dict[str, Any] = {"request_ms": ms(t_end), "cpu": cpu, "ranges_wrapped": found}
-    if clock.forward_events:
-        summary["forward_gpu_ms"] = round(sum(a.elapsed_time(b) for a, b in clock.forward_events), 3)
+    if clock.gpu_marks:
+        summary["after_load_gpu_ms"] = clock.after_load_gpu_ms()
     marks = [
         ("until_lookup", cpu.get("kvh.lookup", {}).get("first_start_ms")),
         ("lookup", cpu.get("kvh.lookup", {}).get("last_end_ms")),
@@ -254,7 +269,7 @@ def summarize(trace: dict[str, Any]) -> dict[str, Any]:
     gpu = {
         "load_dma": interval(dma),
         "load_scatter": interval(scatter),
-        "forward": interval(launched_in("vllm.forward")),
+        "forward": interval(launched_in("vllm.forward") or _without(launched_in("vllm.execute_model"), load)),
         "sample": interval(launched_in("vllm.sample_tokens")),
         "all": interval(device),
     }
@@ -304,6 +319,13 @@ def _cut(marks: list[tuple[str, float | None]]) -> dict[str, float | None]:
         steps[name] = round(mark - previous, 3)
         previous = mark
     return steps
+
+
+def _without(work: list[dict[str, Any]], taken: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``work`` less the events of ``taken`` (the forward is execute_model's work less the load's
+    where the model runner calls the model inline)."""
+    ids = {id(e) for e in taken}
+    return [e for e in work if id(e) not in ids]
 
 
 def _union_us(spans: list[tuple[float, float]]) -> float:
