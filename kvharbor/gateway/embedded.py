@@ -20,9 +20,14 @@ use a sidecar or a service-mode gateway to keep the RAM tier across engine resta
 Only "nothing listens on the socket" starts a gateway, or an idle embedded
 gateway that steps aside for this client (another release; its segment
 removed by hand): once it has exited, this client starts its own. A gateway
-that answers but cannot be used otherwise (another release with clients, a
-segment this process cannot open) is reported as it is: starting a second
-one could not fix it.
+that answers but cannot be used otherwise (another release with clients,
+another config, a user it does not admit, a segment this process cannot open)
+is reported as it is: starting a second one could not fix it. Engines of
+different storage configs find different gateways when ``gateway.socket`` is
+left ``derived`` (`kvharbor.config.gateway_address`).
+
+The files kept beside the socket (the start lock, the child's config) get the
+access of ``gateway.access``, like the socket and the segment.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import time
 from pathlib import Path
 
 from kvharbor.config import Config, validate_config
+from kvharbor.gateway.access import AccessPolicy
 from kvharbor.gateway.client import GatewayClient, GatewayError, GatewayNotRunning, GatewaySteppingAside
 from kvharbor.gateway.detach import log_path, wait_for_exit
 from kvharbor.telemetry.log import get_logger
@@ -88,9 +94,17 @@ def connect(config: Config, client_name: str) -> GatewayClient:
             raise
         _wait_for_exit(err, section.embedded_start_timeout_ms)
     socket_path = Path(section.socket)
-    socket_path.parent.mkdir(parents=True, exist_ok=True)
+    access = AccessPolicy(section.access)
     lock_path = socket_path.with_name(socket_path.name + ".spawn")
-    with open(lock_path, "a+") as lock:
+    try:
+        access.make_directory(socket_path.parent)
+        lock = access.open_file(lock_path)
+    except OSError as err:
+        raise GatewayError(
+            f"cannot start an embedded gateway: {err.filename or lock_path}: {err.strerror or err}; "
+            "choose a gateway.socket in a directory this user can write (and gateway.access for other users)"
+        ) from None
+    try:
         # Held while one client starts the gateway; the others wait here, then
         # connect. The wait is bounded by the starter's embedded_start_timeout_ms.
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -98,17 +112,21 @@ def connect(config: Config, client_name: str) -> GatewayClient:
             return GatewayClient.connect(section, client_name)
         except GatewayNotRunning:
             pass
-        _start_child(config)
+        _start_child(config, access)
+    finally:
+        os.close(lock)
     return GatewayClient.connect(section, client_name)
 
 
-def _write_config(config: Config, path: Path) -> None:
+def _write_config(config: Config, path: Path, access: AccessPolicy) -> None:
     """The child's config, exactly ours: tiers are dumped as their own types
     (``serialize_as_any``), or a file tier would lose its ``path``."""
     document = config.model_dump(mode="json", serialize_as_any=True)
     assert validate_config(document) == config, "the config must survive its round trip"
     staging = path.with_name(path.name + f".{os.getpid()}")
-    staging.write_text(json.dumps(document))
+    staging.unlink(missing_ok=True)
+    with os.fdopen(access.open_file(staging), "w") as file:
+        file.write(json.dumps(document))
     staging.replace(path)
 
 
@@ -137,13 +155,19 @@ def _read_until_closed(fd: int, deadline: float) -> bytes | None:
         data += chunk
 
 
-def _start_child(config: Config) -> None:
+def _start_child(config: Config, access: AccessPolicy) -> None:
     """Start the gateway through an intermediate that forks it and exits (`kvharbor.gateway.detach`);
     return once it serves. Raises `GatewayError` saying why it does not."""
     section = config.gateway
     socket_path = Path(section.socket)
     config_path = socket_path.with_name(socket_path.name + ".config.json")
-    _write_config(config, config_path)
+    try:
+        _write_config(config, config_path, access)
+    except OSError as err:
+        raise GatewayError(
+            f"cannot write the embedded gateway's config {config_path}: {err.strerror or err}; "
+            "check gateway.socket and gateway.access"
+        ) from None
     ready_read, ready_write = os.pipe()
     command = [sys.executable, "-m", "kvharbor", "gateway", "--config", str(config_path), "--embedded",
                "--ready-fd", str(ready_write)]  # fmt: skip

@@ -22,16 +22,18 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
 from kvharbor.cache.keys import KEY_BYTES
+from kvharbor.config import ConfigDigest
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """Bumped on any change to frames or message bodies. 2: PROGRESS. 4: PUT_COMMIT carries
-the writer's payload checksums."""
+the writer's payload checksums. 5: HELLO carries the client's `ConfigDigest`."""
 
 FRAME = struct.Struct("<IHHQ")
 FRAME_BYTES = FRAME.size
 KEYS_PER_MESSAGE_MAX = 4096
 """A batch holds at most this many keys: 4096 chunks of 256 tokens is 1 M tokens."""
 TEXT_BYTES_MAX = 4096
+DIGEST_SECTIONS_MAX = 16
 
 
 class MessageType(enum.IntEnum):
@@ -64,7 +66,11 @@ class ErrorCode(enum.IntEnum):
     NOT_READY = 7
     """A request before the handshake."""
     INTERNAL = 8
-    STEPPING_ASIDE = 9
+    CONFIG_MISMATCH = 9
+    """The client's storage or card section is not the gateway's (HELLO)."""
+    ACCESS_DENIED = 10
+    """The client's user is not admitted by the gateway's ``gateway.access`` (at accept)."""
+    STEPPING_ASIDE = 11
     """An idle embedded gateway that cannot serve this client (another release, its
     segment gone) exits instead; the client waits for its exit and starts its own."""
 
@@ -153,10 +159,6 @@ class _Reader:
             )
         return n
 
-    def skip_rest(self) -> None:
-        """Ignore what follows: fields a later release appended to an extensible message."""
-        self._at = self._size
-
     def end(self) -> None:
         if self._at != self._size:
             raise ProtocolError(ErrorCode.MALFORMED, f"{self._size - self._at} trailing bytes")
@@ -215,24 +217,41 @@ class Message:
 
 @dataclass(frozen=True, slots=True)
 class Hello(Message):
-    """The first message of every client. Its fields are frozen across releases, and a
-    later release may only append to it (ignored here): a gateway must be able to read
-    the HELLO of any release, to refuse it by name or to step aside for it."""
+    """The first message of every client. Its first four fields are frozen across
+    protocols, and a HELLO of another protocol is read up to them (the rest ignored):
+    a gateway must read any release's HELLO, to refuse it by name or to step aside for it."""
 
     TYPE: ClassVar[MessageType] = MessageType.HELLO
     protocol: int
     release: str
     pid: int
     client: str
+    config_digest: ConfigDigest
+    """What the client's config says the gateway must serve (its storage and card sections)."""
 
     def body(self) -> bytes:
-        return _U32.pack(self.protocol) + _text(self.release) + _U32.pack(self.pid) + _text(self.client)
+        sections = self.config_digest.sections
+        if len(sections) > DIGEST_SECTIONS_MAX:
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"{len(sections)} digest sections exceed {DIGEST_SECTIONS_MAX}")
+        return (
+            _U32.pack(self.protocol) + _text(self.release) + _U32.pack(self.pid) + _text(self.client)
+            + _U32.pack(len(sections)) + b"".join(_text(name) + _text(digest) for name, digest in sections)
+        )  # fmt: skip
 
     @classmethod
     def parse(cls, reader: _Reader) -> Hello:
-        hello = cls(reader.u32(), reader.text(), reader.u32(), reader.text())
-        reader.skip_rest()
-        return hello
+        protocol, release, pid, client = reader.u32(), reader.text(), reader.u32(), reader.text()
+        if protocol != PROTOCOL_VERSION:
+            # The fields after these four may differ in another protocol: keep what is needed
+            # to refuse it as VERSION_MISMATCH (naming both), not as MALFORMED.
+            reader.take(reader.remaining())
+            return cls(protocol, release, pid, client, ConfigDigest(()))
+        n = reader.u32()
+        if n > DIGEST_SECTIONS_MAX:
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"{n} digest sections exceed {DIGEST_SECTIONS_MAX}")
+        return cls(
+            protocol, release, pid, client, ConfigDigest(tuple((reader.text(), reader.text()) for _ in range(n)))
+        )
 
 
 @dataclass(frozen=True, slots=True)

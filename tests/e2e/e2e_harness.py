@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import select
 import shutil
 import signal
@@ -28,8 +29,8 @@ import yaml
 
 from kvharbor.config import load_config
 from kvharbor.demo.server import VllmServer
+from kvharbor.gateway import detach
 from kvharbor.gateway.client import GatewayClient, GatewayError
-from kvharbor.gateway.detach import log_path, wait_for_exit
 from kvharbor.hal.file import FileDevice
 
 DRIVER = Path(__file__).with_name("driver.py")
@@ -43,6 +44,7 @@ CHUNK = 256
 BLOCK = 128
 """vLLM's block size on the CPU backend."""
 OFF_LINE = "external KV cache turned off on this rank"
+STARTED_LINE = re.compile(r"kvharbor: started an embedded gateway \(pid (\d+)\)")
 
 
 def bound(num_tokens: int, chunk: int = CHUNK, block: int = BLOCK) -> int:
@@ -106,6 +108,8 @@ class Lab:
         self.config_path = self.write_config()
         self._runs = 0
         self._services: list[subprocess.Popen[bytes]] = []
+        self._embedded: set[int] = set()
+        """Pids of the embedded gateways the engines started: they outlive them (gateway.linger_s)."""
 
     def write_config(self, mode: str = "embedded", tiers: list[dict[str, Any]] | None = None, **engine: Any) -> Path:
         """The lab's config (a file tier unless ``tiers`` says otherwise); ``engine``: its engine section."""
@@ -144,23 +148,40 @@ class Lab:
 
     def run(self, spec: dict[str, Any], env: dict[str, str] | None = None) -> Run:
         """One fresh engine process running ``spec`` (see driver.py)."""
-        self._runs += 1
-        spec_path = self.root / f"spec-{self._runs}.json"
-        spec_path.write_text(json.dumps({"model": str(self.model), **spec}))
-        log_path = self.root / f"engine-{self._runs}.log"
-        with open(log_path, "wb") as log:
-            process = subprocess.run(
-                [sys.executable, str(DRIVER), str(spec_path)],
-                env=env if env is not None else self.env(),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                timeout=ENGINE_TIMEOUT_S,
-                cwd=self.root,
-            )
-        text = log_path.read_text(errors="replace")
-        records = [json.loads(line[4:]) for line in text.splitlines() if line.startswith("E2E {")]
-        return Run(process.returncode, records, text)
+        (run,) = self.run_together([(spec, env if env is not None else self.env())])
+        return run
+
+    def run_together(self, engines: list[tuple[dict[str, Any], dict[str, str]]]) -> list[Run]:
+        """Fresh engine processes, one per (spec, environment), all started at once."""
+        started = []
+        for spec, env in engines:
+            self._runs += 1
+            spec_path = self.root / f"spec-{self._runs}.json"
+            spec_path.write_text(json.dumps({"model": str(self.model), **spec}))
+            log_path = self.root / f"engine-{self._runs}.log"
+            with open(log_path, "wb") as log:
+                process = subprocess.Popen(
+                    [sys.executable, str(DRIVER), str(spec_path)],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    cwd=self.root,
+                )
+            started.append((process, log_path))
+        runs = []
+        for process, log_path in started:
+            try:
+                returncode = process.wait(ENGINE_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                for other, _ in started:
+                    other.kill()
+                raise
+            text = log_path.read_text(errors="replace")
+            records = [json.loads(line[4:]) for line in text.splitlines() if line.startswith("E2E {")]
+            runs.append(Run(returncode, records, text))
+            self._embedded.update(int(pid) for pid in STARTED_LINE.findall(text))
+        return runs
 
     def start_gateway(self) -> subprocess.Popen[bytes]:
         """``kvharbor gateway --config F`` as a service; returns once it serves."""
@@ -182,13 +203,14 @@ class Lab:
         assert answer == b"ready\n", f"gateway did not become ready: {self.gateway_log()}"
         return process
 
-    def stored_objects(self) -> int:
-        """Objects in the file tier, counted on disk once the engines that wrote them are gone.
+    def stored_objects(self, cache: Path | None = None) -> int:
+        """Objects in the file tier (the lab's, or the one at ``cache``), counted on disk once
+        the engines that wrote them are gone.
 
         The engine's ``stored_chunks`` counter only reports commits that finished before
         its last step; the last save commits behind the engine.
         """
-        return sum(1 for _ in FileDevice("local", str(self.cache), 64 << 20).scan())
+        return sum(1 for _ in FileDevice("local", str(cache or self.cache), 64 << 20).scan())
 
     def gateway_log(self) -> str:
         path = self.root / "gateway.log"
@@ -196,26 +218,35 @@ class Lab:
 
     def embedded_gateway_log(self) -> str:
         """The log of the embedded gateway an engine started (it writes beside its socket)."""
-        path = log_path(self.socket)
+        path = detach.log_path(self.socket)
         return path.read_text(errors="replace") if path.exists() else ""
 
     def gateway_client(self) -> GatewayClient:
         """A client of the lab's gateway, for its status (it counts as attached while open)."""
         return GatewayClient.connect(load_config(self.config_path, environ={}).gateway, "e2e-test")
 
-    def _end_lingering_gateway(self) -> None:
-        """An embedded gateway outlives its engines (gateway.linger_s): end it with the test."""
+    def _end_lingering_gateways(self) -> None:
+        """End the embedded gateways of this test's engines, which outlive them (gateway.linger_s):
+        those the engines' logs named, and the one at the lab's socket (a server's)."""
+        pids = set(self._embedded)
         try:
             client = self.gateway_client()
         except GatewayError:
-            return  # None answers (or one we cannot use: it stops with its test's processes).
-        pid = client.hello.gateway_pid
-        client.close()
-        os.kill(pid, signal.SIGTERM)
-        assert wait_for_exit(pid, READY_TIMEOUT_S), f"the embedded gateway (pid {pid}) did not stop on SIGTERM"
+            pass  # None answers (or one we cannot use: it is among those the logs named).
+        else:
+            pids.add(client.hello.gateway_pid)
+            client.close()
+        for pid in pids:
+            try:
+                command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue  # Gone already.
+            if b"kvharbor" in command and b"gateway" in command:  # Not a process that reused its pid.
+                os.kill(pid, signal.SIGTERM)
+                assert detach.wait_for_exit(pid, READY_TIMEOUT_S), f"the embedded gateway (pid {pid}) ignored SIGTERM"
 
     def close(self) -> None:
-        self._end_lingering_gateway()
+        self._end_lingering_gateways()
         for process in self._services:
             if process.poll() is None:
                 process.send_signal(signal.SIGKILL)
