@@ -2,6 +2,9 @@
 # One step of the H200 lease for bench/gpu.py (issue 9, items 5 and 6), run from the repository root
 # on the device machine: bash .gpu-src/lease.sh STEP. Results accumulate in /root/res while the
 # machine stays up; each step packs its own folder into $OUT.
+# First lease: deps, gw (then named part0), part1-part3, vllm, restart; the raw A/B runs (ab/) and the
+# gateway re-run (gateway-507.json) were inline commands of the gw and part1-part3 calls, after the fix.
+# Second lease (second-lease/): deps2, part0-part3, vllm2.
 set -uo pipefail
 step=$1
 R=$PWD
