@@ -78,17 +78,19 @@ def open_direct(path: str) -> Opened:
     and refuse the first aligned read; both fall back to buffered I/O. Raises
     OSError for anything else (absent, no permission).
     """
-    fd = os.open(path, _OPEN_FLAGS | os.O_DIRECT) if hasattr(os, "O_DIRECT") else -1
     try:
-        size_bytes, block_device = _size(fd)
-        if _direct_read_works(fd):
-            return Opened(fd, True, size_bytes, block_device)
+        fd = os.open(path, _OPEN_FLAGS | os.O_DIRECT)
     except OSError as err:
-        if fd >= 0:
-            os.close(fd)
         if err.errno != errno.EINVAL:
             raise
     else:
+        try:
+            size_bytes, block_device = _size(fd)
+            if _direct_read_works(fd):
+                return Opened(fd, True, size_bytes, block_device)
+        except BaseException:
+            os.close(fd)
+            raise
         os.close(fd)
     fd = os.open(path, _OPEN_FLAGS)
     size_bytes, block_device = _size(fd)

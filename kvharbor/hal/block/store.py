@@ -178,7 +178,8 @@ class BlockStoreDevice(Device, CardDevice, EventSource):
         self._pending: list[DeviceEvent] = []
         if not self._opened.direct:
             _log.warning(
-                "%stier '%s': %s refuses O_DIRECT (tmpfs?); block mode uses buffered I/O with fdatasync there",
+                "%stier '%s': %s refuses O_DIRECT (ramfs, FUSE, old tmpfs); "
+                "block mode uses buffered I/O with fdatasync there",
                 PREFIX,
                 name,
                 path,
