@@ -4,7 +4,9 @@ is in test_hal_contract.py; crashes in test_block_crash.py."""
 
 from __future__ import annotations
 
+import itertools
 import logging
+import os
 import struct
 import subprocess
 from collections.abc import Iterator
@@ -17,10 +19,13 @@ from kvharbor.hal.block.layout import (
     BLOCK_BYTES,
     FORMAT_MAGIC,
     OBJECT_HEADER_BYTES,
+    REGION_HEADER_BYTES,
     SUPERBLOCK_BYTES,
     LayoutError,
     checksum,
+    object_span,
 )
+from kvharbor.hal.block.pipeline import CHUNK_BYTES
 from kvharbor.hal.block.store import BlockStoreDevice
 
 REGION_BYTES = 256 * 1024
@@ -252,3 +257,22 @@ def test_a_used_block_device_of_another_format_is_refused(loop_device: str) -> N
         raw.write(b"\xeb\x3c\x90mkfs.fat")  # A FAT boot sector's first bytes.
     with pytest.raises(LayoutError, match=rf"{loop_device} belongs to another format"):
         BlockStoreDevice("card", loop_device, VALUE_MAX_BYTES, region_bytes=REGION_BYTES)
+
+
+def test_values_of_several_chunks_in_odd_parts_come_back_whole(tmp_path: Path) -> None:
+    # Past CHUNK_BYTES the I/O overlaps the copy and the checksum: chunk edges inside parts and blocks.
+    big = 3 * CHUNK_BYTES + 12_345
+    region_bytes = REGION_HEADER_BYTES + object_span(big)  # One value per region.
+    path = str(tmp_path / "big.blocks")
+    store = BlockStoreDevice("card", path, big, region_bytes=region_bytes, create_bytes=4096 + 2 * region_bytes)
+    try:
+        data = os.urandom(big)
+        cuts = [0, 7, CHUNK_BYTES - 3, CHUNK_BYTES + 5000, 2 * CHUNK_BYTES + 1, big]
+        store.put(key(1), [data[a:b] for a, b in itertools.pairwise(cuts)])
+        into = memoryview(bytearray(big + 10))
+        assert store.get(key(1), into) == big and bytes(into[:big]) == data
+        slices: list[bytes] = []
+        assert store.get_streamed(key(1), into, lambda piece: slices.append(bytes(piece))) == big
+        assert b"".join(slices) == data
+    finally:
+        store.close()

@@ -39,6 +39,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kvharbor.hal.base import (
@@ -74,9 +75,9 @@ from kvharbor.hal.block.layout import (
     ObjectKind,
     RegionHeader,
     Superblock,
-    checksum,
     object_span,
 )
+from kvharbor.hal.block.pipeline import read_object, write_object
 from kvharbor.hal.posix import device_error
 from kvharbor.hal.sim.events import CardEventCode, CardEventLog
 from kvharbor.telemetry.log import PREFIX, OnceLog, get_logger
@@ -93,6 +94,8 @@ CRITICAL_USAGE_RATIO = 0.95
 READ_ATTEMPTS = 3
 """Lookups of one get when the key moved while it was read (replaced, region reused)."""
 EVENTS_MAX = 1000
+IO_THREADS = 4
+"""Threads doing the chunks' I/O (`kvharbor.hal.block.pipeline`): one per concurrent get or put in flight."""
 
 
 @dataclass(slots=True)
@@ -163,6 +166,7 @@ class BlockStoreDevice(Device, CardDevice, EventSource):
         # Append staging: a first object of a region goes out with the region header in one write.
         self._staging = AlignedBuffer(REGION_HEADER_BYTES + object_span(max_value_bytes))
         self._reads = BufferPool(object_span(max_value_bytes))
+        self._io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix=f"kvharbor-block-{name}")
         self._append_lock = threading.Lock()
         """Serialises appends (held during their I/O): one tail, and at most one torn object."""
         self._lock = threading.Lock()
@@ -197,15 +201,11 @@ class BlockStoreDevice(Device, CardDevice, EventSource):
         self._append(ObjectKind.VALUE, key, [memoryview(p).cast("B") for p in parts], total)
 
     def get(self, key: bytes, into: memoryview) -> int | None:
-        view = _bytes_view(into)
-        found = self._read_verified(key, view.nbytes)
+        found = self._read_verified(key, _bytes_view(into), copy=True)
         if found is None:
             return None
         buffer, nbytes = found
-        try:
-            view[:nbytes] = buffer.view[OBJECT_HEADER_BYTES : OBJECT_HEADER_BYTES + nbytes]
-        finally:
-            self._reads.give(buffer)
+        self._reads.give(buffer)
         return nbytes
 
     def get_streamed(
@@ -214,7 +214,7 @@ class BlockStoreDevice(Device, CardDevice, EventSource):
         """The object is read and verified whole first: a slice handed out is never one
         of a value that then fails its checksum."""
         view = _bytes_view(into)
-        found = self._read_verified(key, view.nbytes)
+        found = self._read_verified(key, view)
         if found is None:
             return None
         buffer, nbytes = found
@@ -287,6 +287,7 @@ class BlockStoreDevice(Device, CardDevice, EventSource):
         """Release the buffers and the device (and its lock); safe to call twice."""
         if self._fd < 0:
             return
+        self._io.shutdown(wait=True)
         os.close(self._fd)
         self._fd = -1
         self._staging.close()
@@ -370,16 +371,24 @@ class BlockStoreDevice(Device, CardDevice, EventSource):
             if tail == REGION_HEADER_BYTES:
                 staging[:REGION_HEADER_BYTES] = RegionHeader(region, seq).encode(self.store)
                 start = REGION_HEADER_BYTES
-            value = staging[start + OBJECT_HEADER_BYTES : start + OBJECT_HEADER_BYTES + total]
-            at = 0
-            for part in parts:
-                value[at : at + part.nbytes] = part
-                at += part.nbytes
-            header = ObjectHeader(kind, seq, total, bytes(key), checksum(value, self.store.seed))
-            header.encode_into(staging[start:], self.store.seed)
             offset = self.store.region_offset(region) + tail - start
             try:
-                pwrite_full(self._fd, staging[: start + span], offset)
+                # The object header goes last, with the head block it shares with the value's
+                # start: it needs the value's checksum, and a header on the device then never
+                # precedes the value it describes (only fdatasync orders them for a power cut).
+                head, value_checksum = write_object(
+                    self._io,
+                    self._fd,
+                    staging,
+                    offset,
+                    start + BLOCK_BYTES,
+                    start + OBJECT_HEADER_BYTES,
+                    parts,
+                    start + span,
+                    self.store.seed,
+                )
+                ObjectHeader(kind, seq, total, bytes(key), value_checksum).encode_into(head[start:], self.store.seed)
+                pwrite_full(self._fd, head, offset)
                 if self.fsync:
                     os.fdatasync(self._fd)
             except OSError as err:
@@ -447,10 +456,15 @@ class BlockStoreDevice(Device, CardDevice, EventSource):
 
     # -- reads -------------------------------------------------------------------
 
-    def _read_verified(self, key: bytes, room_bytes: int | None) -> tuple[AlignedBuffer, int] | None:
+    def _read_verified(
+        self, key: bytes, room: memoryview | None, copy: bool = False
+    ) -> tuple[AlignedBuffer, int] | None:
         """The object of ``key`` read whole into a pooled buffer and verified, with its value
         length; None on a miss. The caller gives the buffer back. Raises `BufferTooSmall`
-        when the value exceeds ``room_bytes`` (None: no limit)."""
+        when the value exceeds ``room`` (None: no limit); with ``copy`` the value is also
+        copied into ``room`` on the way (whose bytes are then undefined on a miss)."""
+        room_bytes = None if room is None else room.nbytes
+        copy_to = room if copy else None
         for _ in range(READ_ATTEMPTS):
             with self._lock:
                 place = self._index.get(key)
@@ -462,7 +476,7 @@ class BlockStoreDevice(Device, CardDevice, EventSource):
                 raise BufferTooSmall(self.name, place.value_bytes, room_bytes)
             buffer = self._reads.take()
             try:
-                valid = self._read_object(key, place, buffer)
+                valid = self._read_object(key, place, buffer, copy_to)
             except BaseException:
                 self._reads.give(buffer)
                 raise
@@ -483,23 +497,24 @@ class BlockStoreDevice(Device, CardDevice, EventSource):
             return None
         return None
 
-    def _read_object(self, key: bytes, place: _Place, buffer: AlignedBuffer) -> bool:
-        span = object_span(place.value_bytes)
-        view = buffer.view[:span]
+    def _read_object(self, key: bytes, place: _Place, buffer: AlignedBuffer, copy_to: memoryview | None) -> bool:
+        """Read the object at ``place`` into ``buffer`` (its value also into ``copy_to``, as it
+        is hashed) and verify it: header, key, length, generation and value checksum."""
+        view = buffer.view[: object_span(place.value_bytes)]
         try:
-            got = pread_full(self._fd, view, place.offset)
+            value_checksum = read_object(
+                self._io, self._fd, view, place.offset, OBJECT_HEADER_BYTES, place.value_bytes, self.store.seed, copy_to
+            )
         except OSError as err:
             raise device_error(self.name, err, f"read {self.path}") from err
-        if got != span:
-            return False
         header = ObjectHeader.decode(view, self.store.seed, place.region_seq)
         return (
-            header is not None
+            value_checksum is not None
+            and header is not None
             and header.kind is ObjectKind.VALUE
             and header.key == key
             and header.value_bytes == place.value_bytes
-            and checksum(view[OBJECT_HEADER_BYTES : OBJECT_HEADER_BYTES + place.value_bytes], self.store.seed)
-            == header.value_checksum
+            and header.value_checksum == value_checksum
         )
 
     # -- opening -----------------------------------------------------------------
@@ -610,7 +625,7 @@ class BlockStoreDevice(Device, CardDevice, EventSource):
         key = next(k for k in state.keys if self._index[k] == last)
         buffer = self._reads.take()
         try:
-            intact = self._read_object(key, last, buffer)
+            intact = self._read_object(key, last, buffer, None)
         finally:
             self._reads.give(buffer)
         if not intact:
