@@ -140,7 +140,7 @@ def block_store_seconds(directory: str) -> dict[str, float]:
     value = bytes(aligned.view)
     into = memoryview(bytearray(BLOCK_VALUE_BYTES))
     keys = [n.to_bytes(16, "big") for n in range(BLOCK_VALUES)]
-    if not (raw.direct and store._opened.direct):
+    if not (raw.direct and store.direct_io):
         print(f"  note: {directory} refuses O_DIRECT; both sides use buffered I/O")
 
     def raw_write() -> None:

@@ -225,6 +225,7 @@ def test_a_filesystem_refusing_o_direct_falls_back_and_says_so_once(
         store = open_store(ramfs / "card.blocks")
     try:
         assert sum("refuses O_DIRECT" in r.getMessage() for r in caplog.records) == 1
+        assert not store.direct_io
         for n in range(20):
             store.put(key(n), [value(n)])
         assert all(read(store, key(n)) == value(n) for n in range(20))
@@ -236,6 +237,7 @@ def test_on_a_loop_block_device(loop_device: str) -> None:
     store = BlockStoreDevice("card", loop_device, VALUE_MAX_BYTES, region_bytes=REGION_BYTES)
     try:
         assert store.usage().capacity_bytes == REGIONS * REGION_BYTES
+        assert store.direct_io, "a block device takes O_DIRECT"
         for n in range(40):
             store.put(key(n), [value(n)])
         store.delete(key(39))

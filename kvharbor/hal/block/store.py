@@ -194,6 +194,11 @@ class BlockStoreDevice(Device, CardDevice, EventSource):
             self.close()
             raise device_error(name, err, f"rebuild the index of {path}") from err
 
+    @property
+    def direct_io(self) -> bool:
+        """False where the filesystem refused O_DIRECT and the store uses buffered I/O."""
+        return self._opened.direct
+
     # -- the device protocol -----------------------------------------------------
 
     def put(self, key: bytes, parts: Sequence[Buffer]) -> None:
