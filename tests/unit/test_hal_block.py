@@ -161,6 +161,21 @@ def test_a_damaged_object_is_a_counted_miss_never_wrong_bytes(store_path: Path) 
         store.close()
 
 
+def test_peek_reads_the_prefix_only_and_get_still_verifies_the_whole(store_path: Path) -> None:
+    store = open_store(store_path)
+    try:
+        store.put(key(1), [value(1, 40_000)])
+        with open(store_path, "r+b") as f:  # Damage the value's last block only.
+            f.seek(SUPERBLOCK_BYTES + BLOCK_BYTES + OBJECT_HEADER_BYTES + 39_000)
+            f.write(b"\xff" * 8)
+        prefix = bytearray(100)
+        assert store.peek(key(1), memoryview(prefix)) == 100 and bytes(prefix) == value(1, 40_000)[:100]
+        assert read(store, key(1)) is None
+        assert store.peek(key(1), memoryview(prefix)) is None, "a failed get took it out of the index"
+    finally:
+        store.close()
+
+
 def test_key_eviction_on_keeps_accepting_writes_and_drops_the_oldest_first(store_path: Path) -> None:
     store = open_store(store_path)
     try:

@@ -230,14 +230,28 @@ class BlockStoreDevice(Device, CardDevice, EventSource):
             self._reads.give(buffer)
 
     def peek(self, key: bytes, into: memoryview) -> int | None:
+        """Reads only the blocks the prefix lies in, so that rebuilding a cache index from
+        the objects' own headers does not read the whole device. The object header
+        (key, length, generation) is verified; the value checksum, which covers the whole
+        value, is left to `get`: what a prefix holds (the cache's object header) carries
+        its own checksum."""
         view = _bytes_view(into)
-        found = self._read_verified(key, None)
-        if found is None:
+        with self._lock:
+            place = self._index.get(key)
+        if place is None:
             return None
-        buffer, nbytes = found
-        n = min(nbytes, view.nbytes)
+        n = min(place.value_bytes, view.nbytes)
+        buffer = self._reads.take()
         try:
-            view[:n] = buffer.view[OBJECT_HEADER_BYTES : OBJECT_HEADER_BYTES + n]
+            head = buffer.view[: object_span(n)]
+            try:
+                got = pread_full(self._fd, head, place.offset)
+            except OSError as err:
+                raise device_error(self.name, err, f"read {self.path}") from err
+            header = ObjectHeader.decode(head, self.store.seed, place.region_seq)
+            if got != head.nbytes or header is None or header.kind is not ObjectKind.VALUE or header.key != key:
+                return None  # Replaced or evicted since the lookup; `get` says which.
+            view[:n] = head[OBJECT_HEADER_BYTES : OBJECT_HEADER_BYTES + n]
         finally:
             self._reads.give(buffer)
         return n
