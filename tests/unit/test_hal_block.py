@@ -14,6 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from kvharbor.cache.format import Codec, decode, encode
+from kvharbor.cache.keys import ChunkKey, LayoutFingerprint
+from kvharbor.cache.recovery import recover_entries
 from kvharbor.hal.base import DeviceEventKind, DeviceFull, DeviceUnavailable, HealthState
 from kvharbor.hal.block.layout import (
     BLOCK_BYTES,
@@ -291,5 +294,34 @@ def test_values_of_several_chunks_in_odd_parts_come_back_whole(tmp_path: Path) -
         slices: list[bytes] = []
         assert store.get_streamed(key(1), into, lambda piece: slices.append(bytes(piece))) == big
         assert b"".join(slices) == data
+    finally:
+        store.close()
+
+
+def test_a_cache_index_can_be_rebuilt_from_a_reopened_store(store_path: Path) -> None:
+    """What a card tier in block mode needs after a gateway restart: the cache's own
+    recovery (scan, then peek at each object's header) finds every value, fragments regrouped."""
+    fingerprint = LayoutFingerprint(model_id="block-test", chunk_size=16).digest()
+    payloads = {ChunkKey(os.urandom(16)): os.urandom(n) for n in (100, 30_000, 150_000)}
+    store = open_store(store_path)
+    for chunk, payload in payloads.items():
+        for part in encode(chunk, fingerprint, payload, Codec.NONE, store.max_value_bytes):
+            store.put(part.device_key, [part.header, part.payload])
+    store.close()
+    store = open_store(store_path)
+    try:
+        recovered = recover_entries(store)
+        parts = {entry.key: entry.parts for entry in recovered.entries}
+        assert recovered.dropped == 0 and set(parts) == {bytes(chunk) for chunk in payloads}
+        assert max(parts.values()) > 1, "the largest value was stored in fragments"
+
+        def read_part(device_key: ChunkKey) -> memoryview | None:
+            buffer = memoryview(bytearray(VALUE_MAX_BYTES))
+            got = store.get(device_key, buffer)
+            return None if got is None else buffer[:got]
+
+        for chunk, payload in payloads.items():
+            value = decode(chunk, fingerprint, read_part)
+            assert value is not None and bytes(value) == payload
     finally:
         store.close()
