@@ -17,7 +17,9 @@ interleaved (`common.best_seconds_interleaved`). Both sides make each value
 durable before the next (``fdatasync``), as the store does with ``fsync`` on. The
 store's extra work per value: a copy into its aligned staging buffer and the
 xxh3 checksum on a write; the checksum and the copy into the caller's buffer on
-a read.
+a read. That CPU work overlaps the I/O (`kvharbor.hal.block.pipeline`) only where
+a core is free for it: on a small machine busy with other work the write ratio
+falls with the CPU left over, while the raw side, all device time, barely moves.
 
     .venv/bin/python bench/card.py [--ops 200000] [--dir DIR] [--json]
 """
