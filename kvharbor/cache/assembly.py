@@ -19,7 +19,7 @@ from kvharbor.cache.keys import ChunkKey, LayoutFingerprint, card_layout
 from kvharbor.cache.store import TieredStore
 from kvharbor.cache.tier import Tier
 from kvharbor.config import MIB, Config, NvmeTierSection, TierSection
-from kvharbor.hal.base import CardDevice, Device, DeviceError, PersistentDevice
+from kvharbor.hal.base import CardDevice, Device, DeviceError, PersistentDevice, SelfDescribingDevice
 from kvharbor.hal.registry import open_device
 from kvharbor.telemetry.log import get_logger
 
@@ -63,7 +63,20 @@ def open_index(device: Device, tier_name: str) -> TierIndex:
         from kvharbor.cache.manifest import open_manifest
 
         return open_manifest(device, tier_name)
-    return MemoryIndex()
+    index = MemoryIndex()
+    if isinstance(device, SelfDescribingDevice):
+        from kvharbor.cache.recovery import recover_entries
+
+        recovered = recover_entries(device)
+        index.rebuild(recovered.entries)
+        _log.info(
+            "kvharbor: tier %s: %d values found on the device (%d objects scanned, %d damaged dropped)",
+            tier_name,
+            len(recovered.entries),
+            recovered.objects,
+            recovered.dropped,
+        )
+    return index
 
 
 def device_limit(section: TierSection, config: Config) -> int:
@@ -97,13 +110,20 @@ def open_tier(section: TierSection, config: Config, device: Device | None = None
     """
     storage = config.storage
     if device is None:
-        device = open_device(section, device_limit(section, config))
+        device = open_device(section, config.card, device_limit(section, config))
     codec = Codec.from_name(section.codec)
     is_card = isinstance(device, CardDevice)
     try:
         capacity_bytes = tier_capacity(section, device)
         if isinstance(device, CardDevice):
             device.set_key_eviction(config.card.key_eviction)
+            if config.card.key_eviction and not device.evicts_on_its_own:
+                _log.info(
+                    "kvharbor: tier %s: the device has no key eviction of its own; card.key_eviction is done "
+                    "by the tier (least recently used within its %g GiB)",
+                    section.name,
+                    capacity_bytes / 2**30,
+                )
         if storage.probe:
             probe_device(device, codec)
         index = open_index(device, section.name)
@@ -125,7 +145,7 @@ def open_tier(section: TierSection, config: Config, device: Device | None = None
         section.type,
         reopen,
         layout=card_layout(device.max_value_bytes) if is_card else b"",
-        device_evicts=is_card and config.card.key_eviction,
+        device_evicts=isinstance(device, CardDevice) and device.evicts_on_its_own and config.card.key_eviction,
     )
 
 

@@ -78,7 +78,7 @@ def _open(args: argparse.Namespace) -> Any:
         if not cards:
             raise ValueError("the config has no card tier (storage.tiers: - {name: card, type: nvme, device: ...})")
         section = cards[0]
-    device = open_device(section, device_limit(section, config))
+    device = open_device(section, config.card, device_limit(section, config))
     if not isinstance(device, CardDevice):
         device.close()
         raise ValueError(f"device {section.device!r} is not a card")

@@ -274,6 +274,11 @@ class CardDevice(ABC):
     """Mixin for computational-storage cards: aggregated status, the card's event log,
     key eviction switchable while running, and the status codes it answered."""
 
+    evicts_on_its_own: bool = True
+    """Whether key eviction on makes the card drop keys by itself (then it, not the tier's
+    index, says what is there). False for a card without eviction (an NVMe KV namespace):
+    key eviction on is then the tier's own, within its capacity budget."""
+
     @abstractmethod
     def card_status(self) -> CardStatus: ...
 
@@ -307,6 +312,13 @@ class PersistentDevice(ABC):
     @property
     @abstractmethod
     def state_dir(self) -> str: ...
+
+
+class SelfDescribingDevice(ABC):  # noqa: B024 - a marker: what it promises is in the protocol.
+    """Mixin for devices whose contents outlive the process and that need no index beside
+    them (block mode: the store rebuilds its own from the region headers). The cache
+    rebuilds a tier's index at open from the objects' own headers (`scan` and `peek`,
+    `kvharbor.cache.recovery`), so a restart keeps every value the device still holds."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,6 +58,7 @@ from kvharbor.hal.base import (
     EventSource,
     Health,
     HealthState,
+    SelfDescribingDevice,
     SliceConsumer,
     Usage,
     copy_streamed,
@@ -123,7 +124,7 @@ class _Place:
     region_seq: int
 
 
-class BlockStoreDevice(Device, CardDevice, EventSource):
+class BlockStoreDevice(Device, CardDevice, EventSource, SelfDescribingDevice):
     def __init__(
         self,
         name: str,
