@@ -293,6 +293,10 @@ class CardDevice(ABC):
     def status_counts(self) -> dict[str, int]:
         """Answers other than success, counted by status code (misses included)."""
 
+    @abstractmethod
+    def wipe(self) -> int:
+        """Remove every key the card holds (``kvharbor card wipe``); returns how many."""
+
 
 class EventSource(ABC):
     """Mixin for devices that report asynchronous events (cards, the simulator)."""

@@ -28,16 +28,17 @@ _NVME_NAMESPACE = re.compile(r"^/dev/nvme\d+n\d+$")
 """An NVMe namespace's block device (not a partition, ``p1``): nvme-cli answers for it."""
 
 
-def open_card(section: NvmeTierSection, card: CardSection, max_value_bytes: int) -> Device:
+def open_card(section: NvmeTierSection, card: CardSection, max_value_bytes: int, *, exclusive: bool = True) -> Device:
     """The driver for ``section.device`` with the ``card`` settings that shape it (region
     size, health interval); raises ValueError naming the tier, the spec and, for a
-    parameter file, the file and the key that is wrong."""
+    parameter file, the file and the key that is wrong. ``exclusive`` False opens a block
+    store without its lock (a forced wipe beside the gateway that holds it)."""
     spec, tier = section.device, section.name
     if spec == "sim" or spec.startswith("sim:"):
         return _open_sim(tier, spec, max_value_bytes)
     if spec.startswith("file:"):
-        return _open_file(section, card, max_value_bytes)
-    return _open_device_path(tier, spec, card, max_value_bytes)
+        return _open_file(section, card, max_value_bytes, exclusive)
+    return _open_device_path(tier, spec, card, max_value_bytes, exclusive)
 
 
 def _open_sim(tier: str, spec: str, max_value_bytes: int) -> Device:
@@ -54,7 +55,7 @@ def _open_sim(tier: str, spec: str, max_value_bytes: int) -> Device:
     return SimCardDevice(tier, params, max_value_bytes=max_value_bytes)
 
 
-def _open_file(section: NvmeTierSection, card: CardSection, max_value_bytes: int) -> Device:
+def _open_file(section: NvmeTierSection, card: CardSection, max_value_bytes: int, exclusive: bool) -> Device:
     from kvharbor.hal.block.layout import SUPERBLOCK_BYTES
     from kvharbor.hal.block.store import BlockStoreDevice
 
@@ -73,11 +74,16 @@ def _open_file(section: NvmeTierSection, card: CardSection, max_value_bytes: int
         regions = -(-section.capacity_bytes // card.region_bytes)
         create_bytes = SUPERBLOCK_BYTES + regions * card.region_bytes
     return BlockStoreDevice(
-        section.name, path, max_value_bytes, region_bytes=card.region_bytes, create_bytes=create_bytes
+        section.name,
+        path,
+        max_value_bytes,
+        region_bytes=card.region_bytes,
+        create_bytes=create_bytes,
+        exclusive=exclusive,
     )
 
 
-def _open_device_path(tier: str, path: str, card: CardSection, max_value_bytes: int) -> Device:
+def _open_device_path(tier: str, path: str, card: CardSection, max_value_bytes: int, exclusive: bool) -> Device:
     where = f"tier '{tier}': device {path}"
     try:
         mode = os.stat(path).st_mode
@@ -105,7 +111,8 @@ def _open_device_path(tier: str, path: str, card: CardSection, max_value_bytes: 
             NvmeAdmin(path),
             region_bytes=card.region_bytes,
             health_interval_s=card.health_interval_s,
+            exclusive=exclusive,
         )
     from kvharbor.hal.block.store import BlockStoreDevice
 
-    return BlockStoreDevice(tier, path, max_value_bytes, region_bytes=card.region_bytes)
+    return BlockStoreDevice(tier, path, max_value_bytes, region_bytes=card.region_bytes, exclusive=exclusive)

@@ -36,8 +36,9 @@ class NvmeBlockDevice(BlockStoreDevice):
         *,
         region_bytes: int,
         health_interval_s: float = HEALTH_INTERVAL_S_DEFAULT,
+        exclusive: bool = True,
     ) -> None:
-        super().__init__(name, path, max_value_bytes, region_bytes=region_bytes)
+        super().__init__(name, path, max_value_bytes, region_bytes=region_bytes, exclusive=exclusive)
         self._admin = admin
         self._drive = DriveHealth(admin, health_interval_s)
 
