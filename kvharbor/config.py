@@ -246,10 +246,20 @@ class CircuitBreakerSection(_Section):
     cooldown_s: float = Field(30.0, gt=0, description="how long an open breaker skips its tier before a trial")
     probe_backoff_factor: float = Field(2.0, ge=1, description="each failed trial multiplies the wait by this")
     probe_interval_max_s: float = Field(300.0, gt=0, description="the longest wait between trials")
+    background_probe_interval_s: float = Field(
+        1.0, gt=0, description="how often the gateway looks for a tier due a trial"
+    )
     """The first trial comes ``cooldown_s`` after the breaker opens; each failed one waits
     ``probe_backoff_factor`` times longer, up to ``probe_interval_max_s``; success closes
     the breaker and resets the wait to ``cooldown_s``. A card whose target stops
-    answering opens its breaker at once (no window to fill)."""
+    answering opens its breaker at once (no window to fill).
+
+    A trial is a request that reaches the tier, or, in the gateway, a background probe
+    (`kvharbor.gateway.prober`): every ``background_probe_interval_s`` it gives each tier
+    whose breaker is due a trial one question, so that a target that comes back is found
+    with no traffic. The breaker's waits decide *when* a tier is due; the interval only
+    bounds how late after that the probe comes (a trial at most ``cooldown_s`` +
+    ``background_probe_interval_s`` after the breaker opened, and so on with the backoff)."""
 
 
 class BackpressureSection(_Section):

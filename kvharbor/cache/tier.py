@@ -56,6 +56,10 @@ BufferSource = Callable[[int], memoryview]
 """Hands out a writable buffer of exactly the asked size for a read to land in."""
 
 
+_PROBE_KEY = bytes(16)
+"""The key a background probe asks about; whether it is there does not matter, only that the device answers."""
+
+
 def new_buffer(nbytes: int) -> memoryview:
     return memoryview(bytearray(nbytes))
 
@@ -461,6 +465,28 @@ class Tier:
             removed += self._delete_quietly(device_key)
         self.index.rebuild([])
         return removed
+
+    # -- probing -----------------------------------------------------------
+
+    def probe(self) -> BreakerState:
+        """One trial without a request: when the breaker lets a trial through (half-open,
+        none running), ask the device about a key (one ``exists``, the cheapest question
+        every driver answers from the device itself) and report the outcome as any
+        operation would: an answer closes the breaker (said once: answers again), a
+        failure opens it for the next, longer wait. Otherwise nothing. Returns the
+        breaker's state after it. This is how a tier comes back with no traffic."""
+        if self.breaker.state is not BreakerState.HALF_OPEN:
+            return self.breaker.state
+        with self.breaker.attempt() as attempt:
+            if not attempt.trial:
+                return self.breaker.state  # A request holds the trial; it reports.
+            try:
+                self.device.exists([_PROBE_KEY])
+            except DeviceError as err:
+                self._fault("probe", err)
+            else:
+                self._ok()
+        return self.breaker.state
 
     # -- state -------------------------------------------------------------
 

@@ -33,6 +33,7 @@ from kvharbor.config import MIB, Config
 from kvharbor.gateway import protocol as p
 from kvharbor.gateway.access import AccessPolicy, Peer, peer_of
 from kvharbor.gateway.lifetime import Lifetime
+from kvharbor.gateway.prober import TierProber
 from kvharbor.gateway.shm import (
     PAGE_BYTES,
     Segment,
@@ -134,6 +135,7 @@ class Gateway:
         self.ring_bytes = 0
         """The segment's first bytes, the transfer ring; RAM tiers follow it."""
         self.store: TieredStore | None = None
+        self._prober: TierProber | None = None
         self.transfers: Transfers | None = None
         self._listener: socket.socket | None = None
         self._socket_bound = False
@@ -168,6 +170,9 @@ class Gateway:
         shared = self._create_segment(shm_dir, free, total)
         assert self.segment is not None
         self.store = open_store(self.config, start_clean=self.start_clean, devices=shared)
+        self._prober = TierProber(
+            self.store.tiers, self.config.storage.backpressure.circuit_breaker.background_probe_interval_s
+        ).start()
         self.transfers = Transfers(self.config, self.store, self.segment, self.ring_bytes, self._count)
         # Ours to replace: we hold the lock, so a socket file here is a dead gateway's.
         self.socket_path.unlink(missing_ok=True)
@@ -306,6 +311,8 @@ class Gateway:
                 # refused at start must not unlink the one serving there.
                 self.socket_path.unlink(missing_ok=True)
             self._stop_clients()
+            if self._prober is not None:
+                self._prober.stop()
             if self.transfers is not None:
                 self.transfers.close()
             if self.store is not None:

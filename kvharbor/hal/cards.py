@@ -56,7 +56,7 @@ def _open_sim(tier: str, spec: str, max_value_bytes: int) -> Device:
 
 
 def _open_file(section: NvmeTierSection, card: CardSection, max_value_bytes: int, exclusive: bool) -> Device:
-    from kvharbor.hal.block.layout import SUPERBLOCK_BYTES
+    from kvharbor.hal.block.layout import SUPERBLOCK_BYTES, LayoutError
     from kvharbor.hal.block.store import BlockStoreDevice
 
     path = section.device.removeprefix("file:")
@@ -73,14 +73,17 @@ def _open_file(section: NvmeTierSection, card: CardSection, max_value_bytes: int
         # regions) is then at least the tier's, never refused as larger than the device.
         regions = -(-section.capacity_bytes // card.region_bytes)
         create_bytes = SUPERBLOCK_BYTES + regions * card.region_bytes
-    return BlockStoreDevice(
-        section.name,
-        path,
-        max_value_bytes,
-        region_bytes=card.region_bytes,
-        create_bytes=create_bytes,
-        exclusive=exclusive,
-    )
+    try:
+        return BlockStoreDevice(
+            section.name,
+            path,
+            max_value_bytes,
+            region_bytes=card.region_bytes,
+            create_bytes=create_bytes,
+            exclusive=exclusive,
+        )
+    except LayoutError as err:
+        raise ValueError(f"tier '{section.name}': device {section.device!r}: {err}") from None
 
 
 def _open_device_path(tier: str, path: str, card: CardSection, max_value_bytes: int, exclusive: bool) -> Device:
@@ -100,19 +103,24 @@ def _open_device_path(tier: str, path: str, card: CardSection, max_value_bytes: 
             f"{where} is neither a block device (/dev/nvmeXnY, block mode) nor a character device "
             "(/dev/ngXnY, a KV namespace); for a plain file use file:PATH"
         )
-    if _NVME_NAMESPACE.match(path):
-        from kvharbor.hal.nvme.block_device import NvmeBlockDevice
-        from kvharbor.hal.nvme.health import NvmeAdmin
+    from kvharbor.hal.block.layout import LayoutError
 
-        return NvmeBlockDevice(
-            tier,
-            path,
-            max_value_bytes,
-            NvmeAdmin(path),
-            region_bytes=card.region_bytes,
-            health_interval_s=card.health_interval_s,
-            exclusive=exclusive,
-        )
-    from kvharbor.hal.block.store import BlockStoreDevice
+    try:
+        if _NVME_NAMESPACE.match(path):
+            from kvharbor.hal.nvme.block_device import NvmeBlockDevice
+            from kvharbor.hal.nvme.health import NvmeAdmin
 
-    return BlockStoreDevice(tier, path, max_value_bytes, region_bytes=card.region_bytes, exclusive=exclusive)
+            return NvmeBlockDevice(
+                tier,
+                path,
+                max_value_bytes,
+                NvmeAdmin(path),
+                region_bytes=card.region_bytes,
+                health_interval_s=card.health_interval_s,
+                exclusive=exclusive,
+            )
+        from kvharbor.hal.block.store import BlockStoreDevice
+
+        return BlockStoreDevice(tier, path, max_value_bytes, region_bytes=card.region_bytes, exclusive=exclusive)
+    except LayoutError as err:
+        raise ValueError(f"{where}: {err}") from None
