@@ -114,8 +114,8 @@ def test_a_target_that_comes_back_with_no_traffic_is_found_by_the_background_pro
             ),
             "the card tier unavailable",
         )
-        for start in range(0, 16, 4):  # Push the first values out of RAM: only the card holds them.
-            batch = [(next(fresh).to_bytes(16, "big"), VALUE_BYTES) for _ in range(4)]
+        for _ in range(4):  # Push the first values out of RAM: only the card holds them.
+            batch = [(next(fresh).to_bytes(16, "big"), VALUE_BYTES) for _i in range(4)]
             assert put_values(client, batch) == 4
         requests = card_status(client.status())["counters"]["skipped"]
         write_control(control, target_up=True)
