@@ -11,6 +11,38 @@ step (the blocks may be reused by the next step) and hand the commit — the
 storage write — to a background thread, so the storage write is off the
 engine's critical path. Loads and saves use separate gateway connections so a
 slow storage write never delays a load.
+
+Saves land even when vLLM kills the engine. What vLLM 0.32 does on SIGINT or
+SIGTERM with its default ``--shutdown-timeout 0``: the API server's handler
+calls ``AsyncLLM.shutdown(timeout=0)``; the engine-core process manager
+(``v1/engine/utils.py`` `CoreEngineProcManager.shutdown`, then
+``v1/utils.py`` `shutdown`) sends the engine core SIGTERM and, its deadline
+being now, at once ``kill_process_tree``: SIGKILL to the engine core and every
+descendant (the worker runs inside the engine core at TP=1, in children of it
+otherwise). The engine core's own handler (abort mode) never gets to tear
+down, so the connector's ``shutdown()`` is not called and a commit still on
+the saver thread dies with the process. Hence completion marks
+(`protocol.write_mark`): the saver marks each value in shared memory as soon
+as its bytes are there, and a gateway whose client went away stores exactly
+the marked values (`Transfers.commit_marked`). The alternative, committing
+before the step returns, puts the storage write on the critical path: it
+costs every prefill the commit time (``bench/saves.py`` measures both), where
+a mark costs one 32-byte store per chunk.
+
+- CPU: the fill is the gather, done on the saver thread while the step waits
+  for it, and each value is marked right after its gather. When the step
+  returns, every chunk it saved is marked: a response can only follow.
+- GPU (`gpu.GpuWorkerPath`): the step only queues the gathers; the saver
+  thread prepares the put, starts the device-to-host copy and marks the values
+  once it has waited for that copy. A kill between the step's end and that
+  point (milliseconds, plus the time a save waits behind earlier ones in the
+  saver's queue) still loses that step's chunks.
+
+The engine's counters include the last commit: while a save is queued or
+committing, the workers report ``saves_pending`` in their stats and the
+scheduler answers vLLM's ``has_pending_push_work`` with yes, so the engine
+keeps stepping (without a forward pass) and takes the workers' stats until
+the commit has been counted.
 """
 
 from __future__ import annotations
@@ -44,7 +76,7 @@ class _SaveJob:
     fill: Callable[[int, memoryview], None]
     filled: threading.Event
     settle: Callable[[], None] | None = None
-    """GPU: make the staged device-to-host copies and wait for them, before the commit."""
+    """GPU: make the staged device-to-host copies and wait for them, before the marks."""
     done: Callable[[], None] | None = None
     """GPU: give the device staging back, whatever became of the store."""
 
@@ -67,6 +99,8 @@ class WorkerSide:
         self._stats = empty()
         self._stats_lock = threading.Lock()
         self._saves: queue.Queue[_SaveJob | None] = queue.Queue(maxsize=SAVE_QUEUE_MAX)
+        self._saves_pending = 0
+        """Save jobs queued or committing; under ``_stats_lock``, counted out with their stats."""
         self._saver = threading.Thread(target=self._save_loop, name="kvharbor-saver", daemon=True)
         self._saver.start()
 
@@ -186,13 +220,9 @@ class WorkerSide:
                 items.append((key, size))
                 blocks.append(transfer.block_ids[i * per_chunk : (i + 1) * per_chunk])
         job = _SaveJob(items, lambda i, view: copier.gather(blocks[i], view), threading.Event())
-        try:
-            self._saves.put_nowait(job)
-        except queue.Full:
-            _log.warning("kvharbor: %d saves waiting for storage; this step's %d chunks are not saved",
-                         SAVE_QUEUE_MAX, len(items))  # fmt: skip
+        if not self._queue_save(job):
             return
-        # The pages must be copied before the step ends; the storage write need not.
+        # The pages must be copied (and marked) before the step ends; the storage write need not.
         job.filled.wait(self.config.gateway.request_timeout_ms / 1000 * 2)
 
     def _save_gpu(self, gpu: GpuWorkerPath, meta: KVHarborMetadata) -> None:
@@ -203,42 +233,54 @@ class WorkerSide:
             return
         size = gpu.pages.chunk_bytes
         job = _SaveJob([(k, size) for k in parts.keys], parts.fill, threading.Event(), parts.settle, parts.done)
+        if not self._queue_save(job):
+            parts.done()
+
+    def _queue_save(self, job: _SaveJob) -> bool:
+        """Hand ``job`` to the saver thread; False (said in the log) when too many wait."""
+        with self._stats_lock:
+            self._saves_pending += 1
         try:
             self._saves.put_nowait(job)
         except queue.Full:
-            parts.done()
+            with self._stats_lock:
+                self._saves_pending -= 1
             _log.warning("kvharbor: %d saves waiting for storage; this step's %d chunks are not saved",
-                         SAVE_QUEUE_MAX, len(parts.keys))  # fmt: skip
+                         SAVE_QUEUE_MAX, len(job.items))  # fmt: skip
+            return False
+        return True
 
     def _save_loop(self) -> None:
         while (job := self._saves.get()) is not None:
             started = time.perf_counter()
-            settle = job.settle
-
-            def filled(job: _SaveJob = job, settle: Callable[[], None] | None = settle) -> None:
-                if settle is not None:
-                    settle()
-                job.filled.set()
-
+            stored = 0
             try:
-                stored = self._save_link.store(self.fingerprint, job.items, job.fill, on_filled=filled)
+                stored = self._save_link.store(self.fingerprint, job.items, job.fill, job.settle, job.filled.set)
+            except Exception:
+                # A bug in a copy must not end the saver (every later step would wait for it).
+                _log.exception("kvharbor: internal error saving %d chunks; they are not saved", len(job.items))
             finally:
                 job.filled.set()
                 if job.done is not None:
                     job.done()
-            self._count(
-                saves=1,
-                save_s=time.perf_counter() - started,
-                stored_chunks=stored,
-                stored_bytes=stored * job.items[0][1],
-                cache_off=int(self._save_link.is_off),
-            )
+                with self._stats_lock:  # Counted out with its stats, in one step's report.
+                    self._saves_pending -= 1
+                    self._add(
+                        saves=1,
+                        save_s=time.perf_counter() - started,
+                        stored_chunks=stored,
+                        stored_bytes=stored * job.items[0][1],
+                        cache_off=int(self._save_link.is_off),
+                    )
 
     # -- stats and shutdown ----------------------------------------------------------
 
     def take_stats(self) -> dict[str, float]:
+        """The stats since the last call; ``saves_pending`` is the saves not yet counted,
+        taken with them: a report saying none are pending includes the last commit."""
         with self._stats_lock:
             stats, self._stats = self._stats, empty()
+            stats["saves_pending"] = self._saves_pending
         if self._timer is not None:
             stats["prefill_flops"], stats["prefill_s"] = self._timer.take()
         # Every step once off, not only in a step that moved data: once the cache is
@@ -256,11 +298,15 @@ class WorkerSide:
 
     def _count(self, **deltas: float) -> None:
         with self._stats_lock:
-            for name, delta in deltas.items():
-                if name == "cache_off":
-                    self._stats[name] = max(self._stats[name], delta)
-                else:
-                    self._stats[name] = self._stats.get(name, 0) + delta
+            self._add(**deltas)
+
+    def _add(self, **deltas: float) -> None:
+        """`_count` with ``_stats_lock`` held."""
+        for name, delta in deltas.items():
+            if name == "cache_off":
+                self._stats[name] = max(self._stats[name], delta)
+            else:
+                self._stats[name] = self._stats.get(name, 0) + delta
 
 
 def _blocks_before(chunk: int, per_chunk: int, skip_blocks: int) -> int:
