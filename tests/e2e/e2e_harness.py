@@ -10,6 +10,7 @@ bound: a process's exit, a readiness pipe, a server's log line and then its
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -19,6 +20,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -199,11 +201,27 @@ class Lab:
 
 
 def start_server(lab: Lab) -> VllmServer:
-    """vLLM's OpenAI server on the tiny model with ``KVHARBOR=1``, multiprocessing on (as users run it)."""
+    """vLLM's OpenAI server on the tiny model with ``KVHARBOR=1``, multiprocessing on and
+    vLLM's default shutdown (``--shutdown-timeout 0``: the engine is killed at once), as
+    users run it."""
     env = lab.env()
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
     log = lab.root / f"server-{uuid.uuid4().hex[:6]}.log"
-    # A graceful stop lets the workers finish their last saves; vLLM's default
-    # (0 s) kills the engine and its children at once, in-flight writes included.
-    args = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "4096", "--shutdown-timeout", "30"]
+    args = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "4096"]
     return VllmServer(lab.model, log, env, name="tiny", args=args, cwd=lab.root)
+
+
+def interrupt(server: VllmServer) -> int:
+    """Ctrl-C: SIGINT to the server's process group, as a terminal sends it; its exit status."""
+    os.killpg(server.process.pid, signal.SIGINT)
+    return server.process.wait(ENGINE_TIMEOUT_S)
+
+
+def wait_for_metric(server: VllmServer, name: str, expected: float, timeout_s: float = READY_TIMEOUT_S) -> None:
+    """Poll the server's /metrics until ``name`` reads ``expected``, bounded."""
+    deadline = time.monotonic() + timeout_s
+    while (value := server.metrics().get(name, 0.0)) != expected:
+        assert time.monotonic() < deadline, f"{name} is {value}, not {expected}, after {timeout_s} s"
+        # A pause between polls that ends early if the server exits.
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            server.process.wait(0.1)
