@@ -190,6 +190,16 @@ class Lab:
         path = self.root / "gateway.log"
         return path.read_text(errors="replace") if path.exists() else ""
 
+    def wait_for_gateway_log(self, text: str, timeout_s: float = READY_TIMEOUT_S) -> None:
+        """Until the service gateway's log says ``text`` (it hears of a client's death on
+        its own thread, a moment after the client's exit), bounded."""
+        gateway = self._services[-1]
+        deadline = time.monotonic() + timeout_s
+        while text not in self.gateway_log():
+            assert time.monotonic() < deadline, f"the gateway did not log {text!r}:\n{self.gateway_log()[-4000:]}"
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                gateway.wait(0.1)  # A pause between reads that ends early if the gateway exits.
+
     def close(self) -> None:
         for process in self._services:
             if process.poll() is None:

@@ -78,7 +78,7 @@ def test_engine_killed_while_it_saves_reads_nothing_wrong(lab: Lab) -> None:
     assert killed.returncode == -9, killed.log[-4000:]
     chunks = len(LONG) // CHUNK
     assert killed.record("dying_before_commit")["dying_before_commit"] == chunks
-    assert f"stored {chunks} value(s) it had marked complete, refused 0 mark(s)" in lab.gateway_log()
+    lab.wait_for_gateway_log(f"stored {chunks} value(s) it had marked complete, refused 0 mark(s)")
 
     # The same prompt, then under a salt of its own: a recompute, the reference.
     restarted = lab.run({"rounds": [[request(LONG)], [request(LONG, "reference")]]}).ok()
