@@ -1,17 +1,21 @@
-"""The OpenAI-compatible server with ``KVHARBOR=1``: restart only vLLM, and the prompt comes back cached.
+"""The OpenAI-compatible server with ``KVHARBOR=1`` and vLLM's defaults: stop it with Ctrl-C
+right after a response, start it again, and the prompts come back cached.
 
 Multiprocessing is on (the server's default): the front end, the engine core
-and the worker each load the plugin, and the embedded gateway must still
-start exactly once per server.
+and the worker each load the plugin. The embedded gateway the first server
+starts outlives it (``gateway.linger_s``); the engine SIGKILLed by vLLM's
+default shutdown (``--shutdown-timeout 0``) loses no save its steps finished
+(completion marks), and ``vllm:kvharbor_stored_chunks`` counts the last commit.
 """
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 
 import openai
 import pytest
-from e2e_harness import CHUNK, Lab, bound, interrupt, start_server, tokens, wait_for_metric
+from e2e_harness import CHUNK, Lab, bound, start_server, tokens, wait_for_metric
 
 from kvharbor.demo.server import VllmServer
 
@@ -43,8 +47,6 @@ def cached_tokens(answer: openai.types.Completion) -> int:
 
 
 def test_restarted_server_restores_the_prompt(lab: Lab, servers: list[VllmServer]) -> None:
-    lab.config_path = lab.write_config(mode="service")
-    lab.start_gateway()
     servers.append(start_server(lab))  # Registered first: the fixture stops it whatever happens.
     first = complete(servers[0].wait_ready(), PROMPT)
     assert first.usage is not None and first.usage.prompt_tokens == len(PROMPT)
@@ -54,7 +56,7 @@ def test_restarted_server_restores_the_prompt(lab: Lab, servers: list[VllmServer
     wait_for_metric(servers[0], "vllm:kvharbor_stored_chunks_total", len(PROMPT) // CHUNK)
     last = complete(servers[0], LAST, max_tokens=1)
     assert cached_tokens(last) == 0
-    interrupt(servers[0])  # Right after the response, with vLLM's default shutdown.
+    servers[0].stop(signal.SIGINT)  # Ctrl-C right after the response, vLLM's default shutdown (0 s).
 
     servers.append(start_server(lab))
     again = complete(servers[1].wait_ready(), LAST, max_tokens=1)
@@ -64,6 +66,8 @@ def test_restarted_server_restores_the_prompt(lab: Lab, servers: list[VllmServer
     assert second.choices[0].text == first.choices[0].text
     assert again.choices[0].text == last.choices[0].text
 
+    # The first server started the embedded gateway; the second attached to it, lingering.
+    assert [each.log().count("kvharbor: started an embedded gateway") for each in servers] == [1, 0]
     for each in servers:
         log = each.log()
         assert "kvharbor: 4 cache tensors registered" in log
