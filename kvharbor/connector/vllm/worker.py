@@ -85,6 +85,9 @@ class _SaveJob:
     chunk_bytes: int
     filled: threading.Event
     """Set once every value's bytes are in shared memory (or the store gave up)."""
+    gave_up: threading.Event
+    """Set by the step when it stopped waiting for ``filled``: from then on the blocks may be
+    reused, and a copy that ends later may hold another request's bytes."""
 
 
 class WorkerSide:
@@ -209,7 +212,7 @@ class WorkerSide:
         parts = path.end_step(meta)
         if parts is None:
             return
-        job = _SaveJob(parts, path.copy.chunk_bytes, threading.Event())
+        job = _SaveJob(parts, path.copy.chunk_bytes, threading.Event(), threading.Event())
         with self._stats_lock:
             self._saves_pending += 1
         try:
@@ -223,10 +226,10 @@ class WorkerSide:
                 "chunks are not saved", self._saves.maxsize, len(parts.keys),
             )  # fmt: skip
             return
-        if parts.fill_before_step_end:
-            # The pages are read from the blocks, which the next step may reuse; the storage
-            # write need not wait. Released once they are copied and marked complete.
-            job.filled.wait(self.config.gateway.request_timeout_ms / 1000 * 2)
+        # The pages are read from the blocks, which the next step may reuse; the storage
+        # write need not wait. Released once they are copied and marked complete.
+        if parts.fill_before_step_end and not job.filled.wait(self.config.gateway.request_timeout_ms / 1000 * 2):
+            job.gave_up.set()  # Before the step returns: the saver then stores none of it.
 
     def _save_loop(self) -> None:
         while (job := self._saves.get()) is not None:
@@ -238,7 +241,10 @@ class WorkerSide:
                 # ``settle`` is the one place after which every filled value's bytes are known
                 # to be complete in shared memory (the staged copies have landed): the link
                 # marks them then, and only then is the step released.
-                stored = self._save_link.store(self.fingerprint, items, parts.fill, parts.settle, job.filled.set)
+                in_time = (lambda: not job.gave_up.is_set()) if parts.fill_before_step_end else None
+                stored = self._save_link.store(
+                    self.fingerprint, items, parts.fill, parts.settle, job.filled.set, in_time
+                )
             except Exception:
                 # A bug in a copy must not end the saver (every later step would wait for it).
                 _log.exception("kvharbor: internal error saving %d chunks; they are not saved", len(items))
