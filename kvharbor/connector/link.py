@@ -52,6 +52,8 @@ class LinkCounters:
     skipped_chunks: int = 0
     """Chunks a store did not write: already stored, or the gateway had no room."""
     refused: int = 0
+    late_saves: int = 0
+    """Stores given up because their copy ended after the engine stopped waiting for it."""
     off: int = 0
     """1 once the external cache is off on this rank."""
 
@@ -231,24 +233,49 @@ class CacheLink:
         fingerprint: bytes,
         items: Sequence[tuple[bytes, int]],
         fill: Callable[[int, memoryview], None],
+        settle: Callable[[], None] | None = None,
         on_filled: Callable[[], None] | None = None,
+        in_time: Callable[[], bool] | None = None,
     ) -> int:
         """Store values of the given (key, size): ``fill(i, view)`` writes value i.
 
         Returns how many the gateway stored; values already stored are skipped
-        without being filled. ``on_filled`` runs once every value is copied and
-        before the (slower) commit: the caller's source buffers are free then.
+        without being filled. Each value is marked complete (`PutBatch.mark`) as
+        soon as its bytes are in place: right after its ``fill``, or, when ``fill``
+        only starts a copy (a DMA), once ``settle()`` has waited for every copy.
+        ``on_filled`` runs after the marks and before the (slower) commit: the
+        caller's source buffers are free then, and should this process die from
+        then on, the gateway still stores every value. ``in_time()``, asked once
+        the values are in place and before any is marked, says whether their
+        sources stayed untouched for the whole copy (the engine was still waiting
+        for it); False gives the batch up unmarked: nothing of it is stored.
         """
         client = self._get_client()
         if client is None or not items:
             return 0
         try:
             batch = client.prepare_put(fingerprint, items)
+            lent = []
             for i, view in enumerate(batch.views):
                 if view is None:
                     self.counters.skipped_chunks += 1
                     continue
                 fill(i, view)
+                if settle is None and in_time is None:
+                    batch.mark(i)
+                lent.append(i)
+            if settle is not None:
+                settle()
+            if in_time is not None and not in_time():
+                # The copy may have read blocks the engine had already reused: wrong bytes
+                # must never be stored. Hanging up makes the gateway drop the unmarked batch.
+                self._once.say("late", "a save finished copying after the engine stopped waiting for it; not stored")
+                self.counters.late_saves += 1
+                self.close()
+                return 0
+            if settle is not None or in_time is not None:
+                for i in lent:
+                    batch.mark(i)
             if on_filled is not None:
                 on_filled()
             stored = client.commit_put(batch)
@@ -256,8 +283,7 @@ class CacheLink:
             self._failed(err)
             return 0
         self.counters.stored_chunks += stored
-        copied = [size for (_, size), view in zip(items, batch.views, strict=True) if view is not None]
-        self.counters.stored_bytes += sum(copied)
+        self.counters.stored_bytes += sum(items[i][1] for i in lent)
         return stored
 
     def close(self) -> None:

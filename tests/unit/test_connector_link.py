@@ -71,3 +71,21 @@ def test_a_refusal_costs_only_that_request(real_gateway: RealGateway, caplog: py
 def test_links_to_different_gateways_do_not_share_fate() -> None:
     assert RankSwitch.for_gateway("/run/a.sock") is RankSwitch.for_gateway("/run/a.sock")
     assert RankSwitch.for_gateway("/run/a.sock") is not RankSwitch.for_gateway("/run/b.sock")
+
+
+def test_a_copy_that_ended_after_the_engine_stopped_waiting_is_not_stored(real_gateway: RealGateway) -> None:
+    """A CPU save reads the engine's blocks; once the step stopped waiting for it they may hold
+    another request's KV, so a copy that ends later must not become a stored value."""
+    [link] = links(real_gateway, 1)
+    link.start()
+    late = [(key, 64) for key in KEYS[:2]]
+
+    def fill(i: int, view: memoryview) -> None:
+        view[:] = bytes([i + 1]) * view.nbytes
+
+    assert link.store(b"f" * 16, late, fill, in_time=lambda: False) == 0
+    assert real_gateway.holds(KEYS) == 0  # Nothing of the batch, filled or not, was stored.
+    assert link.counters.late_saves == 1 and not link.is_off
+    # The link serves on: the next save, in time, is stored.
+    assert link.store(b"f" * 16, late, fill, in_time=lambda: True) == 2
+    assert real_gateway.holds(KEYS) == 2
