@@ -86,13 +86,16 @@ def _open(args: argparse.Namespace, exclusive: bool = True) -> Any:
     """The card ``--device`` or the config names, opened as its tier would be (the ``card``
     settings); raises ValueError for anything else, a device fault included."""
     from kvharbor.cache.assembly import device_limit
-    from kvharbor.hal.base import CardDevice, DeviceError
+    from kvharbor.hal.base import CardDevice, DeviceError, DeviceInUse
     from kvharbor.hal.cards import open_card
 
     config = config_from_args(args)
     section = _section(args, config)
     try:
         device = open_card(section, config.card, device_limit(section, config), exclusive=exclusive)
+    except DeviceInUse as err:
+        hint = "; stop it first, or pass --force" if args.view == "wipe" else ""
+        raise ValueError(f"{err}: a gateway is serving it{hint}") from None
     except DeviceError as err:
         raise ValueError(str(err)) from None
     if not isinstance(device, CardDevice):
@@ -154,12 +157,7 @@ def _wipe(args: argparse.Namespace) -> int:
                 f"card {spec}: the gateway at {socket_path} is serving it; stop the gateway first, "
                 "or pass --force to wipe beside it"
             )
-    try:
-        device = _open(args, exclusive=not args.force)
-    except ValueError as err:
-        if "in use by another process" in str(err):
-            raise ValueError(f"{err}: a gateway is serving it; stop it first, or pass --force") from None
-        raise
+    device = _open(args, exclusive=not args.force)
     try:
         keys = device.usage().keys
         if not args.yes and not _confirmed(spec, keys):

@@ -54,6 +54,10 @@ class DeviceUnavailable(DeviceError):
     """The device does not answer (unmounted, target gone, process dead)."""
 
 
+class DeviceInUse(DeviceUnavailable):
+    """Another process holds the device exclusively (a block store's ``flock``): a gateway serving it."""
+
+
 class TargetUnreachable(DeviceUnavailable):
     """The path to the device is gone (an NVMe-oF target that restarts): no operation will
     succeed until it answers again, so the tier is unavailable at once, not after a window

@@ -155,3 +155,20 @@ def test_a_block_device_opens_in_block_mode(loop_device: str) -> None:  # noqa: 
         assert device.get(bytes(16), into) == 5 and bytes(into[:5]) == b"block"
     finally:
         device.close()
+
+
+def test_block_mode_on_an_nvme_namespace_adds_the_drives_health_and_sensors(tmp_path: Path) -> None:
+    from kvharbor.hal.nvme.block_device import NvmeBlockDevice
+
+    admin = NvmeAdmin("/dev/nvme0n1", nvme_printing(tmp_path, "smart_log_v2.3.jsonc", None))
+    path = tmp_path / "ns.img"  # A file stands in for the namespace's blocks; nvme-cli answers for its controller.
+    path.write_bytes(bytes(4096 + 2 * MIB))
+    device = NvmeBlockDevice("card", str(path), 64 * 1024, admin, region_bytes=1 * MIB)
+    try:
+        health = device.health()
+        assert health.state is HealthState.DEGRADED and "supercapacitor" in health.detail
+        status = device.card_status()
+        assert status.driver == "kvharbor-block-nvme" and status.supercap == "failed"
+        assert status.firmware_version not in ("", "n/a") and status.capacity_bytes == 2 * MIB
+    finally:
+        device.close()

@@ -54,6 +54,7 @@ from kvharbor.hal.base import (
     DeviceEvent,
     DeviceEventKind,
     DeviceFull,
+    DeviceInUse,
     DeviceUnavailable,
     EventSource,
     Health,
@@ -144,8 +145,8 @@ class BlockStoreDevice(Device, CardDevice, EventSource, SelfDescribingDevice):
         keeps the geometry it was formatted with. Raises `LayoutError` (a
         ValueError) naming the path for a device of another format or too small,
         ValueError for a ``region_bytes`` that cannot hold a value of
-        ``max_value_bytes``, `DeviceUnavailable` when it cannot be opened or is
-        in use by another process. ``exclusive`` False skips the lock: only for a forced
+        ``max_value_bytes``, `DeviceUnavailable` when it cannot be opened
+        (`DeviceInUse` when another process holds it). ``exclusive`` False skips the lock: only for a forced
         wipe (``kvharbor card wipe --force``) beside a process that holds it.
         """
         super().__init__(name, max_value_bytes)
@@ -700,7 +701,7 @@ def _open_exclusive(name: str, path: str, create_bytes: int | None, exclusive: b
     except OSError as err:
         os.close(opened.fd)
         if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            raise DeviceUnavailable(name, f"{path} is in use by another process") from err
+            raise DeviceInUse(name, f"{path} is in use by another process") from err
         raise device_error(name, err, f"lock {path}") from err
     return opened
 
