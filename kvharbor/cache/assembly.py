@@ -9,13 +9,13 @@ empty and every lookup is a miss: the engine still serves.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 
 from kvharbor.cache.breaker import BreakerSettings, CircuitBreaker
-from kvharbor.cache.format import HEADER_BYTES, Codec, CorruptObject, decode, encode
+from kvharbor.cache.format import HEADER_BYTES, Codec
 from kvharbor.cache.index import MemoryIndex, TierIndex
-from kvharbor.cache.keys import ChunkKey, LayoutFingerprint, card_layout
+from kvharbor.cache.keys import card_layout
+from kvharbor.cache.probe import ProbeFailed, probe_device
 from kvharbor.cache.store import TieredStore
 from kvharbor.cache.tier import Tier
 from kvharbor.config import MIB, Config, NvmeTierSection, TierSection
@@ -24,38 +24,6 @@ from kvharbor.hal.registry import open_device
 from kvharbor.telemetry.log import get_logger
 
 _log = get_logger("kvharbor.cache.assembly")
-
-PROBE_BYTES = 4096
-_PROBE_FINGERPRINT = LayoutFingerprint(model_id="kvharbor-startup-probe", chunk_size=1).digest()
-
-
-class ProbeFailed(Exception):
-    pass
-
-
-def probe_device(device: Device, codec: Codec) -> None:
-    """Write, read back and delete one object; raise `ProbeFailed` saying which step broke."""
-    key = ChunkKey(os.urandom(16))
-    payload = os.urandom(PROBE_BYTES)
-    step = "write"
-    try:
-        for part in encode(key, _PROBE_FINGERPRINT, payload, codec, device.max_value_bytes):
-            device.put(part.device_key, [part.header, part.payload])
-        step = "read back"
-
-        def read(device_key: ChunkKey) -> memoryview | None:
-            buffer = memoryview(bytearray(PROBE_BYTES * 2 + HEADER_BYTES))
-            got = device.get(device_key, buffer)
-            return None if got is None else buffer[:got]
-
-        value = decode(key, _PROBE_FINGERPRINT, read)
-        if value is None or bytes(value) != payload:
-            raise ProbeFailed("read back: the probe object came back different or not at all")
-        step = "delete"
-        if not device.delete(key):
-            raise ProbeFailed("delete: the probe object was not there to delete")
-    except (DeviceError, CorruptObject, OSError) as err:
-        raise ProbeFailed(f"{step}: {err}") from None
 
 
 def open_index(device: Device, tier_name: str) -> TierIndex:

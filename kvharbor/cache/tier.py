@@ -31,6 +31,7 @@ from kvharbor.cache.format import (
 )
 from kvharbor.cache.index import Entry, OverBudget, TierIndex
 from kvharbor.cache.keys import ChunkKey, fragment_key, tier_fingerprint
+from kvharbor.cache.probe import ProbeFailed, probe_device
 from kvharbor.hal.base import (
     Buffer,
     BufferTooSmall,
@@ -54,10 +55,6 @@ few usually do (values are of a size); more only when the oldest are pinned."""
 
 BufferSource = Callable[[int], memoryview]
 """Hands out a writable buffer of exactly the asked size for a read to land in."""
-
-
-_PROBE_KEY = bytes(16)
-"""The key a background probe asks about; whether it is there does not matter, only that the device answers."""
 
 
 def new_buffer(nbytes: int) -> memoryview:
@@ -470,20 +467,24 @@ class Tier:
 
     def probe(self) -> BreakerState:
         """One trial without a request: when the breaker lets a trial through (half-open,
-        none running), ask the device about a key (one ``exists``, the cheapest question
-        every driver answers from the device itself) and report the outcome as any
-        operation would: an answer closes the breaker (said once: answers again), a
-        failure opens it for the next, longer wait. Otherwise nothing. Returns the
-        breaker's state after it. This is how a tier comes back with no traffic."""
+        none running), run the device probe (`kvharbor.cache.probe`: write, read back and
+        delete a small object, so the medium itself answers) and report the outcome as
+        any operation would: an answer closes the breaker (said once: answers again; a
+        full card answered too), a failure opens it for the next, longer wait. Otherwise
+        nothing. Returns the breaker's state after it. This is how a tier comes back with
+        no traffic."""
         if self.breaker.state is not BreakerState.HALF_OPEN:
             return self.breaker.state
         with self.breaker.attempt() as attempt:
             if not attempt.trial:
                 return self.breaker.state  # A request holds the trial; it reports.
             try:
-                self.device.exists([_PROBE_KEY])
-            except DeviceError as err:
-                self._fault("probe", err)
+                probe_device(self.device, self.codec)
+            except ProbeFailed as failed:
+                if isinstance(failed.error, DeviceFull):
+                    self._ok()  # Full, but it answered: the tier serves its reads again.
+                else:
+                    self._fault("probe", failed.error or DeviceError(self.name, str(failed)))
             else:
                 self._ok()
         return self.breaker.state

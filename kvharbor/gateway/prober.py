@@ -6,12 +6,13 @@ traffic would never learn that the target came back, and its first request
 afterwards would be a miss. `TierProber` is one daemon thread that wakes every
 ``storage.backpressure.circuit_breaker.background_probe_interval_s`` and calls
 `kvharbor.cache.tier.Tier.probe` on every tier: a tier whose breaker is not due
-a trial costs nothing (a look at its state); a due one gets one device question.
+a trial costs nothing (a look at its state); a due one gets the device probe
+(`kvharbor.cache.probe`: one small object written, read back and deleted).
 So the breaker's ``cooldown_s``, ``probe_backoff_factor`` and
 ``probe_interval_max_s`` still decide when a target is asked, and the log says
 once each way that the tier is unavailable and that it answers again.
 
-Bounded: one thread, one question per due tier per wake-up, each as long as the
+Bounded: one thread, one probe per due tier per wake-up, each as long as the
 device's own timeouts allow; stopping it waits for the current round only.
 """
 

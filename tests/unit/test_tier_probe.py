@@ -60,6 +60,19 @@ def test_a_probe_asks_only_when_due_backs_off_and_resumes_the_tier_once(caplog: 
     assert tier.write(key, FINGERPRINT, b"y" * 1000) and bytes(tier.read(key, FINGERPRINT) or b"") == b"y" * 1000
 
 
+def test_a_full_card_answers_the_probe_and_a_dead_medium_does_not() -> None:
+    clock = Clock()
+    tier, device = card_tier(clock)
+    device.faults.set_key_eviction(False)
+    device.faults.target_down()
+    assert not tier.write(os.urandom(16), FINGERPRINT, b"x" * 1000)
+    device.faults.target_up()
+    device.faults.fill(1.0)  # Back, but full: the probe's write is refused, yet the card answered.
+    clock.now = 10.0
+    assert tier.probe() is BreakerState.CLOSED
+    assert 3002 in [event.code for event in device.card_events()], "the probe's write was refused as card full"
+
+
 def test_the_prober_thread_resumes_a_tier_without_requests() -> None:
     tier, device = card_tier(cooldown_s=0.05)
     device.faults.target_down()
