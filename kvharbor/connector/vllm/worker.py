@@ -4,7 +4,10 @@ Loads run before the forward pass (they are planned as synchronous loads), one
 batched gateway request per step, copied straight from shared memory into the
 allocated blocks. A chunk that cannot be loaded (miss, corrupt, cache off)
 reports its blocks as load errors, and vLLM recomputes them: a failed load
-costs time, never a wrong token.
+costs time, never a wrong token. The tensor-parallel ranks agree on what each
+step restored (`kvharbor.connector.ranks`): they report the same load errors,
+and none saves the step's chunks of a request whose restore fell short on any
+rank (they were computed over blocks that were not restored).
 
 Saves copy each completed chunk's pages into shared memory at the end of the
 step (the blocks may be reused by the next step) and hand the commit — the
@@ -24,7 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from kvharbor.config import Config
-from kvharbor.connector.link import CacheLink
+from kvharbor.connector.link import CacheLink, say_off
+from kvharbor.connector.ranks import RankAgreement, SoleRank
 from kvharbor.connector.vllm.gpu import GpuPages, GpuWorkerPath, StepTimer
 from kvharbor.connector.vllm.layout import VllmLayout
 from kvharbor.connector.vllm.metadata import ChunkTransfer, KVHarborMetadata
@@ -51,14 +55,22 @@ class _SaveJob:
 
 class WorkerSide:
     def __init__(
-        self, layout: VllmLayout, config: Config, load_link: CacheLink, save_link: CacheLink, rank: int
+        self,
+        layout: VllmLayout,
+        config: Config,
+        load_link: CacheLink,
+        save_link: CacheLink,
+        rank: int,
+        ranks: RankAgreement | None = None,
     ) -> None:
+        """``ranks``: this rank's side of the tensor-parallel agreement (None: a group of one)."""
         self.layout = layout
         self.config = config
         self.rank = rank
         self.fingerprint = layout.digests[rank]
         self._load_link = load_link
         self._save_link = save_link
+        self._ranks = ranks if ranks is not None else RankAgreement(SoleRank(), load_link.switch)
         self._copier: PageCopier | None = None
         self._gpu: GpuWorkerPath | None = None
         """The GPU data path (`gpu`), when the KV cache is on a CUDA device."""
@@ -124,19 +136,37 @@ class WorkerSide:
     # -- loads -------------------------------------------------------------------
 
     def load(self, meta: KVHarborMetadata) -> None:
-        copier = self._copier
-        if (copier is None and self._gpu is None) or not meta.loads:
+        """Restore the step's planned chunks, as far as every rank could (`RankAgreement`).
+
+        Every rank reaches the agreement in the same steps (those with loads or
+        ``cache_off``), whatever its own state: the condition is the metadata's.
+        The step's saves of a request whose restore fell short are dropped from
+        ``meta.saves``: their chunks are computed over blocks that were not restored.
+        """
+        if not meta.loads and not meta.cache_off:
             return
         started = time.perf_counter()
-        for transfer in meta.loads:
-            if self._gpu is not None:
-                loaded_blocks = self._gpu.load(transfer)
-            else:
-                assert copier is not None
-                loaded_blocks = self._load_one(copier, transfer)
-            self._load_errors.update(transfer.block_ids[loaded_blocks:])
-            self._count(load_errors=len(transfer.block_ids) - loaded_blocks)
-        self._count(loads=1, load_s=time.perf_counter() - started, cache_off=int(self._load_link.is_off))
+        agreed = self._ranks.agree([self._restore(transfer) for transfer in meta.loads])
+        if meta.cache_off and self._ranks.switch.turn_off(meta.cache_off):
+            say_off(meta.cache_off)
+        short = set()
+        for transfer, blocks in zip(meta.loads, agreed, strict=True):
+            self._load_errors.update(transfer.block_ids[blocks:])
+            self._count(load_errors=len(transfer.block_ids) - blocks)
+            if blocks < len(transfer.block_ids):
+                short.add(transfer.request_id)
+        if short:
+            meta.saves = [save for save in meta.saves if save.request_id not in short]
+        if meta.loads:
+            self._count(loads=1, load_s=time.perf_counter() - started, cache_off=int(self._load_link.is_off))
+
+    def _restore(self, transfer: ChunkTransfer) -> int:
+        """This rank's restore of ``transfer``: how many of its leading blocks it filled."""
+        if self._gpu is not None:
+            return self._gpu.load(transfer)
+        if self._copier is None:
+            return 0
+        return self._load_one(self._copier, transfer)
 
     def _load_one(self, copier: PageCopier, transfer: ChunkTransfer) -> int:
         """Load as many leading blocks of ``transfer`` as the cache holds; returns that count."""
