@@ -72,8 +72,8 @@ def report(tag: str, output: Any) -> None:
     )
 
 
-def run_rounds(llm: Any, rounds: list[list[dict[str, Any]]], after: Callable[[int], None]) -> None:
-    """Each round, then ``after(round number)``."""
+def run_rounds(llm: Any, rounds: list[list[dict[str, Any]]], between: Callable[[int], None]) -> None:
+    """Each round, then ``between(round number)``."""
     from vllm import SamplingParams
 
     for number, requests in enumerate(rounds):
@@ -92,7 +92,7 @@ def run_rounds(llm: Any, rounds: list[list[dict[str, Any]]], after: Callable[[in
                 - before.get("vllm:external_prefix_cache_queries", 0),
             }
         )
-        after(number)
+        between(number)
 
 
 def wait_dead(pid: int) -> None:
