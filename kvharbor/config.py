@@ -46,6 +46,26 @@ class EngineSection(_Section):
     chunk_size: int = Field(256, gt=0, description="tokens per stored chunk")
     key_namespace: str = Field("default", min_length=1, max_length=128)
     require_cache_salt: bool = False
+    # The worker's data path (`connector.vllm.datapath`); none of these changes what is stored.
+    load_batch_mb: int = Field(256, gt=0, le=4096, description="MiB asked of the gateway per load request")
+    """Also the size of each of the two device staging slots a GPU's loads pass through (one is
+    copied in while the other is scattered): 256 MiB keeps the copy engines busy on the H200."""
+    save_staging_mb_max: int = Field(4096, gt=0, description="GPU memory saves waiting for their copy out may hold")
+    """Past it a step waits up to ``save_staging_wait_ms`` for room (at least one chunk is always allowed)."""
+    save_staging_wait_ms: int = Field(5000, ge=0, description="how long a step waits for save staging room")
+    """After it the step's saves are skipped (future misses), never the step."""
+    prefill_sample_stall_ms_max: float = Field(5.0, ge=0, description="longest staging wait of a timed step")
+    """A step that waited longer for save staging is not a sample of the prefill rate."""
+    save_queue_steps_max: int = Field(64, gt=0, description="steps whose saves may wait for the storage at once")
+    """Past it a step's saves are dropped (future misses), never the step."""
+
+    @property
+    def load_batch_bytes(self) -> int:
+        return self.load_batch_mb * MIB
+
+    @property
+    def save_staging_bytes_max(self) -> int:
+        return self.save_staging_mb_max * MIB
 
 
 def default_runtime_dir() -> Path:

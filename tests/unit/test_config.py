@@ -101,6 +101,12 @@ def _tiers(*tiers: dict[str, Any]) -> dict[str, Any]:
         pytest.param({"engine": {"chunk_sise": 256}}, ["engine.chunk_sise", "not permitted"], id="unknown key"),
         pytest.param({"engine": {"chunk_size": "big"}}, ["engine.chunk_size", "'big'"], id="wrong type"),
         pytest.param({"gateway": {"mode": "sidecar"}}, ["gateway.mode", "'sidecar'"], id="bad choice"),
+        pytest.param({"engine": {"load_batch_mb": 0}}, ["engine.load_batch_mb", "greater than 0"], id="no load batch"),
+        pytest.param(
+            {"engine": {"save_staging_wait_ms": -1}},
+            ["engine.save_staging_wait_ms", "greater than or equal to 0"],
+            id="negative staging wait",
+        ),
         pytest.param(
             _tiers(
                 {"name": "ram", "type": "ram", "capacity_gb": 1},
