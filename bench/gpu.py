@@ -262,6 +262,9 @@ def kvharbor_sections(socket_dir: Path, shm_prefix: str, tiers: list[dict[str, A
             "ring_mb": ring_mb,
             "request_timeout_ms": 30000,
             "ring_wait_ms": 5000,
+            # Each engine process is measured on its own: its gateway (a 24 GiB RAM tier)
+            # must not linger into the next one's run.
+            "linger_s": 0,
         },
         "storage": {"tiers": tiers, "probe": False, "value_mb_max": 64},
     }

@@ -159,6 +159,12 @@ class GatewaySection(_Section):
     """A gateway allocates its whole segment before it answers: ~19 s for 29 GiB (a 24 GiB RAM
     tier) on the H200 host, whose memory is backed on first touch."""
     stop_timeout_ms: int = Field(5000, gt=0, description="how long a stopping gateway waits for requests in flight")
+    linger_s: float = Field(
+        600.0, ge=0, allow_inf_nan=False, description="seconds an embedded gateway outlives its clients"
+    )
+    """An embedded gateway whose last client detached keeps serving (its RAM tier intact)
+    this long, so that an engine restarted within it restores from RAM; then it exits.
+    0: it stops with the engine that started it. A service-mode gateway never stops by itself."""
     clients_max: int = Field(64, gt=0)
     checksum_threads: int = Field(8, gt=0, le=64, description="threads that checksum a put batch's values at once")
     """A GPU writes values in place by DMA at tens of GB/s; one thread checksums ~10."""
@@ -200,9 +206,36 @@ class FileTierSection(TierSection):
     fanout_levels: int = Field(2, ge=0, le=3)
 
 
+CARD_DEVICE_FORMS = "sim, sim:PARAMS.yaml, file:PATH or a device path (/dev/ngXnY, /dev/nvmeXnY)"
+
+
+class NvmeTierSection(TierSection):
+    """A card: simulated (``sim``, ``sim:PARAMS.yaml``), block mode on a file
+    (``file:PATH``) or an NVMe device path; the `card` section holds its settings."""
+
+    type: Literal["nvme"] = "nvme"
+    device: str = Field(min_length=1)
+    capacity_gb: float | None = Field(None, gt=0)  # type: ignore[assignment]
+    """Optional: the device's capacity by default; a larger value is refused when the tier opens."""
+
+    @field_validator("device")
+    @classmethod
+    def _device_form(cls, value: str) -> str:
+        if value == "sim" or value.startswith(("sim:", "file:", "/dev/")):
+            return value
+        raise ValueError(f"expected {CARD_DEVICE_FORMS}")
+
+    @property
+    def capacity_bytes(self) -> int:
+        if self.capacity_gb is None:
+            raise ValueError(f"tier '{self.name}': capacity_gb is not set; the device's capacity applies")
+        return int(self.capacity_gb * GIB)
+
+
 TIER_TYPES: dict[str, type[TierSection]] = {
     "ram": RamTierSection,
     "file": FileTierSection,
+    "nvme": NvmeTierSection,
 }
 """Tier type name -> its config model. Drivers register here with the HAL registry."""
 
@@ -210,7 +243,13 @@ TIER_TYPES: dict[str, type[TierSection]] = {
 class CircuitBreakerSection(_Section):
     failure_ratio: float = Field(0.2, gt=0, le=1)
     window: int = Field(50, gt=0, description="operations per judgement")
-    cooldown_s: float = Field(30.0, gt=0)
+    cooldown_s: float = Field(30.0, gt=0, description="how long an open breaker skips its tier before a trial")
+    probe_backoff_factor: float = Field(2.0, ge=1, description="each failed trial multiplies the wait by this")
+    probe_interval_max_s: float = Field(300.0, gt=0, description="the longest wait between trials")
+    """The first trial comes ``cooldown_s`` after the breaker opens; each failed one waits
+    ``probe_backoff_factor`` times longer, up to ``probe_interval_max_s``; success closes
+    the breaker and resets the wait to ``cooldown_s``. A card whose target stops
+    answering opens its breaker at once (no window to fill)."""
 
 
 class BackpressureSection(_Section):
@@ -260,12 +299,20 @@ class StorageSection(_Section):
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"tier names must be unique; repeated: {', '.join(duplicates)}")
+        cards = [t.name for t in typed if isinstance(t, NvmeTierSection)]
+        if len(cards) > 1:
+            # One `card` section configures the card; several cards would need per-tier settings.
+            raise ValueError(f"at most one nvme (card) tier; found {len(cards)}: {', '.join(cards)}")
         return typed
 
 
 class CardSection(_Section):
+    """Settings of the nvme (card) tier; applied to its device when the tier opens."""
+
     key_eviction: bool = True
+    """The card evicts its oldest keys to make room; off: a full card refuses writes (event 3002)."""
     fragment_bytes: int = Field(2 * MIB, ge=4096, description="largest value the card stores")
+    """Values above it are stored in fragments; it enters the layout of what the card tier stores."""
 
 
 class DashboardSection(_Section):

@@ -61,6 +61,9 @@ class PageCopy(Protocol):
     """True: `StepSave.close` leaves the step's pages copied into staging of the save's own,
     so the saver thread may fill shared memory later. False: the pages are read from the
     blocks when the save is staged, so the step must wait for that before its blocks are reused."""
+    staging_waited_s: float
+    """How long the latest `open_save` waited for staging room: 0.0 when it had room at once
+    (a step that waited is no prefill sample)."""
 
     @property
     def chunk_bytes(self) -> int: ...

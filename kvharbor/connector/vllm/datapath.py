@@ -219,9 +219,8 @@ class DataPath:
         if len(self.mappings) < 2 or self._save_link.is_off:
             return
         plan = plan_saves(meta.saves, self.rank, self.copy.blocks_per_chunk)
-        started = time.perf_counter()
         save = self.copy.open_save(plan.blocks, self._save_staging_wait_s)
-        self.stalled = time.perf_counter() - started > self._stall_s
+        self.stalled = self.copy.staging_waited_s > self._stall_s
         kept = save.chunks if save is not None else 0
         if kept < len(plan.keys):
             self._count(save_dropped=len(plan.keys) - kept)

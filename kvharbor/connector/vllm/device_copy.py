@@ -22,6 +22,7 @@ no-ops (`streams`), which is how CI tests this logic.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 
 import torch
@@ -67,6 +68,7 @@ class DeviceCopy:
         """Per layer, the event after its latest scatter."""
         self._staging_bytes = 0
         self._staging = threading.Condition()
+        self.staging_waited_s = 0.0
 
     @property
     def chunk_bytes(self) -> int:
@@ -144,11 +146,19 @@ class DeviceCopy:
             return None
         nbytes = chunks * self.chunk_bytes
         with self._staging:
-            room = self._staging.wait_for(
-                lambda: self._staging_bytes + nbytes <= self.save_staging_bytes_max, timeout=wait_s
-            )
-            if not room:
-                return None
+
+            def fits() -> bool:
+                return self._staging_bytes + nbytes <= self.save_staging_bytes_max
+
+            # Only the wait itself counts as a stall, not the time this thread took to get
+            # here: a loaded machine must not turn every step into a stalled one.
+            self.staging_waited_s = 0.0
+            if not fits():
+                started = time.perf_counter()
+                room = self._staging.wait_for(fits, timeout=wait_s)
+                self.staging_waited_s = time.perf_counter() - started
+                if not room:
+                    return None
             self._staging_bytes += nbytes
         flat = [b for ids in block_ids[:chunks] for b in ids]
         if len(flat) != chunks * self.blocks_per_chunk:

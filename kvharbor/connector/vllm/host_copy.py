@@ -19,6 +19,8 @@ from kvharbor.connector.vllm.pinning import PinnedMapping
 
 class HostCopy:
     snapshots_saves = False
+    staging_waited_s = 0.0
+    """Saves read the blocks in the step: no staging to wait for."""
 
     def __init__(
         self, tensors: Sequence[torch.Tensor], num_blocks: int, blocks_per_chunk: int, load_batch_bytes: int
