@@ -27,6 +27,10 @@ def no_wait() -> None:
     pass
 
 
+class StagingUnavailable(Exception):
+    """The device has no room for the staging loads pass through."""
+
+
 class StepSave(Protocol):
     """One step's saves of ``chunks`` chunks: gathered during the step, copied out behind it."""
 
@@ -67,6 +71,10 @@ class PageCopy(Protocol):
 
     @property
     def chunk_bytes(self) -> int: ...
+
+    def reserve_loads(self) -> None:
+        """Allocate what loads pass through, before the first one (at start): the first
+        restore pays no allocation. Raises `StagingUnavailable` when it does not fit."""
 
     def stage_load(self, mapping: PinnedMapping, view: memoryview, first: int, block_ids: Sequence[int]) -> None:
         """Add a stored chunk to the load request in progress: its blocks ``first ..

@@ -40,6 +40,9 @@ class HostCopy:
         flat = mapping.tensor[offset : offset + self.chunk_bytes].view(pages.dtype)
         return list(flat.view(len(pages.layers), self.blocks_per_chunk, *pages.page_shape).unbind(0))
 
+    def reserve_loads(self) -> None:
+        pass  # Loads copy straight into the cache tensors.
+
     def stage_load(self, mapping: PinnedMapping, view: memoryview, first: int, block_ids: Sequence[int]) -> None:
         self._stage.add(mapping, view, first, block_ids)
 
