@@ -18,7 +18,8 @@ that request.
 The links of one process to one gateway (a vLLM worker's load and save
 links, and the scheduler's where it shares the process) share one
 `RankSwitch`: the first failure turns the cache off for all of them, and the
-line is said once per process, not once per link.
+line is said once per process, not once per link. The ranks of one engine
+turn their switches off together (`kvharbor.connector.ranks`).
 """
 
 from __future__ import annotations
@@ -88,6 +89,16 @@ class RankSwitch:
                 return False
             self.reason = reason or "unknown failure"
             return True
+
+
+def say_off(reason: str) -> None:
+    """The restart rule's line; said once per rank, by whoever turned its switch off."""
+    _log.error(
+        "%sexternal KV cache turned off on this rank: %s. The engine keeps serving without it; "
+        "restart the engine (and the gateway, in service mode) to turn it back on",
+        PREFIX,
+        reason,
+    )
 
 
 class CacheLink:
@@ -314,12 +325,7 @@ class CacheLink:
 
     def _turn_off(self, err: GatewayError) -> None:
         if self.switch.turn_off(str(err)):
-            _log.error(
-                "%sexternal KV cache turned off on this rank: %s. The engine keeps serving without it; "
-                "restart the engine (and the gateway, in service mode) to turn it back on",
-                PREFIX,
-                err,
-            )
+            say_off(str(err))
         self._drop_client()
 
     def _drop_client(self) -> None:

@@ -11,6 +11,8 @@ the workers.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ from unittest import mock
 
 import torch
 from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.engine.arg_utils import EngineArgs
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
@@ -25,7 +28,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
@@ -140,7 +143,9 @@ class SchedulerRig:
         self.scheduler.add_request(request)
         return request
 
-    def step(self) -> Step:
+    def step(self, workers: Callable[[KVHarborMetadata], list[KVConnectorOutput]] | None = None) -> Step:
+        """One step; ``workers(meta)``: what each worker's connector reports in it (nothing
+        by default), combined as vLLM's executor combines them (`KVOutputAggregator`)."""
         output = self.scheduler.schedule()
         meta = output.kv_connector_metadata
         assert isinstance(meta, KVHarborMetadata)
@@ -158,6 +163,12 @@ class SchedulerRig:
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled,
         )
+        if workers is not None:
+            reports = workers(meta)
+            per_worker = [dataclasses.replace(runner, kv_connector_output=report) for report in reports]
+            combined = KVOutputAggregator(len(reports)).aggregate(list(per_worker))
+            assert combined is not None
+            runner = combined
         finished = []
         stats: dict[str, float] = {}
         for outputs in self.scheduler.update_from_output(output, runner).values():

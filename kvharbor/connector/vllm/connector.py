@@ -29,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 from kvharbor.config import ConfigError
 from kvharbor.connector.link import CacheLink
+from kvharbor.connector.ranks import RankAgreement, RankGroup, SoleRank, TorchRankGroup
 from kvharbor.connector.vllm.costs import load_planner
 from kvharbor.connector.vllm.layout import ConnectorRefusal, build_layout
 from kvharbor.connector.vllm.metadata import KVHarborMetadata
@@ -75,9 +76,10 @@ class KVHarborConnector(KVConnectorBase_V1):
         else:
             rank = self.layout.rank_index(*_worker_ranks())
             name = f"vllm-worker rank {rank} pid {os.getpid()}"
+            load_link = CacheLink(self.config, name + " load")
             self._worker = WorkerSide(
-                self.layout, self.config, CacheLink(self.config, name + " load"),
-                CacheLink(self.config, name + " save"), rank,
+                self.layout, self.config, load_link, CacheLink(self.config, name + " save"), rank,
+                RankAgreement(_tensor_parallel_group(), load_link.switch),
             )  # fmt: skip
 
     @staticmethod
@@ -206,3 +208,11 @@ def _worker_ranks() -> tuple[int, int]:
     from vllm.distributed.parallel_state import get_pp_group
 
     return get_tensor_model_parallel_rank(), get_pp_group().rank_in_group
+
+
+def _tensor_parallel_group() -> RankGroup:
+    """The ranks this worker agrees with each step: its tensor-parallel group, on the CPU."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group()
+    return SoleRank() if group.world_size == 1 else TorchRankGroup(group.cpu_group)

@@ -68,9 +68,12 @@ class SchedulerSide:
         self.link = link
         self.planner = planner
         """Load or recompute (`kvharbor.cache.bandwidth`); None: always load."""
-        self._workers_off = False
         self.saves_pending = False
         """The workers' last report had saves not yet counted (`worker` says why it matters)."""
+        self._off_reason = ""
+        """Why the external cache is off somewhere ("": on); no restore is planned then."""
+        self._off_sent = False
+        """`_off_reason` went to the workers in a step's metadata (once is enough)."""
         self._chose_recompute: set[str] = set()
         self.counters = SchedulerCounters()
         self._requests: dict[str, _Request] = {}
@@ -135,6 +138,10 @@ class SchedulerSide:
     def build_meta(self, scheduler_output: Any) -> KVHarborMetadata:
         meta = KVHarborMetadata(loads=self._loads)
         self._loads = []
+        if self.link.is_off and not self._off_reason:
+            self._off_reason = f"the scheduler's gateway link failed ({self.link.off_reason})"
+        if self._off_reason and not self._off_sent:
+            meta.cache_off, self._off_sent = self._off_reason, True
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
@@ -167,9 +174,12 @@ class SchedulerSide:
         # and only an empty report (nothing pending, nothing done) is left out: so this
         # turns false exactly when the last commit has been counted.
         self.saves_pending = bool(data.get("saves_pending"))
-        if data.get("cache_off") and not self._workers_off:
-            self._workers_off = True
-            self._once.say("workers-off", "the external KV cache is off on a worker: no more restores are planned")
+        if data.get("cache_off") and not self._off_reason:
+            self._off_reason = "a worker reported it off"
+            self._once.say(
+                "workers-off",
+                "the external KV cache is off on a worker: no more restores are planned, every rank turns it off",
+            )
         if self.planner is not None:
             self.planner.observe_load(data.get("loaded_bytes", 0), data.get("load_s", 0))
             self.planner.observe_prefill(data.get("prefill_flops", 0), data.get("prefill_s", 0))
@@ -196,7 +206,7 @@ class SchedulerSide:
     def _worth_loading(self, req_id: str, start: int, end: int) -> bool:
         """Load tokens ``start .. end`` rather than recompute them? (No side effects
         beyond counting a request once: vLLM may ask again.)"""
-        if self._workers_off:
+        if self._off_reason:
             return False
         planner = self.planner
         if planner is None:
