@@ -278,9 +278,12 @@ class StorageSection(_Section):
     On by default: an engine restarted after a reboot (or a gateway restart) restores from
     RAM, not from a disk that may be slower than prefill (~1.5 GB/s on the H200 host, where
     reading 4 GiB takes longer than recomputing 32k tokens and the planner recomputes)."""
-    refill_ram_mb_per_s: int = Field(512, gt=0, description="MiB per second the RAM refill copies at most")
+    refill_ram_mb_per_s: int = Field(256, gt=0, description="MiB per second the RAM refill copies at most")
     """Paces the refill so the disk and the CPU (each object is verified) stay free for the
-    engines' own requests, which never wait for it (see ``bench/refill.py``)."""
+    engines' own requests, which never wait for it on a lock. 256: on a 2-core machine a
+    refill at 256 MiB/s left the p99 of a foreground 1 MiB put+get at 1.2-1.8x, at 512 and
+    above at 9-11x (``bench/refill.py``; the refill competes for the gateway's interpreter
+    lock); 24 GiB then refill in ~100 s."""
     backpressure: BackpressureSection = BackpressureSection()
 
     @field_validator("tiers", mode="before")
