@@ -280,10 +280,10 @@ class StorageSection(_Section):
     reading 4 GiB takes longer than recomputing 32k tokens and the planner recomputes)."""
     refill_ram_mb_per_s: int = Field(256, gt=0, description="MiB per second the RAM refill copies at most")
     """Paces the refill so the disk and the CPU (each object is verified) stay free for the
-    engines' own requests, which never wait for it on a lock. 256: on a 2-core machine a
-    refill at 256 MiB/s left the p99 of a foreground 1 MiB put+get at 1.2-1.8x, at 512 and
-    above at 9-11x (``bench/refill.py``; the refill competes for the gateway's interpreter
-    lock); 24 GiB then refill in ~100 s."""
+    engines' own requests, which never wait for it on a lock. 256: on a shared, noisy 2-core
+    machine a refill at 64-256 MiB/s left the p99 of a foreground 1 MiB put+get at 1.0-2.7x
+    its quiet value, at 512 and above at 9-11x (``bench/refill.py``: the refill competes for
+    the gateway's interpreter lock and its cores); 24 GiB then refill in ~100 s."""
     backpressure: BackpressureSection = BackpressureSection()
 
     @field_validator("tiers", mode="before")
