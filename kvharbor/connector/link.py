@@ -231,24 +231,37 @@ class CacheLink:
         fingerprint: bytes,
         items: Sequence[tuple[bytes, int]],
         fill: Callable[[int, memoryview], None],
+        settle: Callable[[], None] | None = None,
         on_filled: Callable[[], None] | None = None,
     ) -> int:
         """Store values of the given (key, size): ``fill(i, view)`` writes value i.
 
         Returns how many the gateway stored; values already stored are skipped
-        without being filled. ``on_filled`` runs once every value is copied and
-        before the (slower) commit: the caller's source buffers are free then.
+        without being filled. Each value is marked complete (`PutBatch.mark`) as
+        soon as its bytes are in place: right after its ``fill``, or, when ``fill``
+        only starts a copy (a DMA), once ``settle()`` has waited for every copy.
+        ``on_filled`` runs after the marks and before the (slower) commit: the
+        caller's source buffers are free then, and should this process die from
+        then on, the gateway still stores every value.
         """
         client = self._get_client()
         if client is None or not items:
             return 0
         try:
             batch = client.prepare_put(fingerprint, items)
+            lent = []
             for i, view in enumerate(batch.views):
                 if view is None:
                     self.counters.skipped_chunks += 1
                     continue
                 fill(i, view)
+                if settle is None:
+                    batch.mark(i)
+                lent.append(i)
+            if settle is not None:
+                settle()
+                for i in lent:
+                    batch.mark(i)
             if on_filled is not None:
                 on_filled()
             stored = client.commit_put(batch)
@@ -256,8 +269,7 @@ class CacheLink:
             self._failed(err)
             return 0
         self.counters.stored_chunks += stored
-        copied = [size for (_, size), view in zip(items, batch.views, strict=True) if view is not None]
-        self.counters.stored_bytes += sum(copied)
+        self.counters.stored_bytes += sum(items[i][1] for i in lent)
         return stored
 
     def close(self) -> None:

@@ -4,9 +4,12 @@ Transfers are two-phase, so KV bytes are copied exactly once on each side of
 the shared memory:
 
 - put: `prepare_put` reserves room and returns writable views; the caller
-  copies its values into them; `commit_put` stores them. The room may be the
-  value's final place in a RAM tier, in the part of the segment this client
-  maps read-only: it is writable from `prepare_put` to `commit_put` only.
+  copies its values into them, marks each one complete (`PutBatch.mark`) once
+  its bytes are all there, and `commit_put` stores them. Should this process
+  die before the commit, the gateway stores the values marked complete and
+  only those. The room may be the value's final place in a RAM tier, in the
+  part of the segment this client maps read-only: it is writable from
+  `prepare_put` to `commit_put` only.
 - get: `get` returns read views of the leading hits; the caller copies them
   out; `release` gives the room back.
 
@@ -129,15 +132,28 @@ class PutBatch:
     """(offset, length) of the views that lie in a RAM tier, writable until the commit."""
     checksums: list[int | None] = field(default_factory=list)
     """Per view, the checksum of what `write` copied into it, or None."""
+    marks: memoryview | None = None
+    """The batch's completion marks (see `protocol.write_mark`); None when nothing was lent."""
+    offsets: list[int] = field(default_factory=list)
+    """Per view, its offset in the segment (`protocol.SKIP` for a skipped value)."""
 
     def write(self, index: int, value: Buffer) -> None:
-        """Copy ``value`` into view ``index`` and keep its checksum, taken during the
-        copy, for the commit: the gateway then need not read the value again.
-        Filling a view any other way is fine too; the gateway takes the checksums
-        itself unless every view was filled with `write`."""
+        """Copy ``value`` into view ``index``, keep its checksum (taken during the copy)
+        for the commit, and mark it complete: the gateway then need not read the value
+        again. Filling a view any other way is fine too (then `mark` it); the gateway
+        takes the checksums itself unless every view was filled with `write`."""
         view = self.views[index]
         assert view is not None, f"value {index} is skipped: nothing to write"
         self.checksums[index] = copy_with_checksum(value, view)
+        self.mark(index)
+
+    def mark(self, index: int) -> None:
+        """Value ``index`` is complete: every byte of it is in its view (a DMA into it has
+        finished). Call it after the bytes, never before: from then on, should this
+        process die before the commit, the gateway stores the value as it lies."""
+        view = self.views[index]
+        assert view is not None and self.marks is not None, f"value {index} is skipped: nothing to mark"
+        p.write_mark(self.marks, index, self.offsets[index], view.nbytes, self.checksums[index])
 
     def commit_checksums(self) -> list[int]:
         """The checksums to send with the commit: one per view, or none at all."""
@@ -259,9 +275,16 @@ class GatewayClient:
                 if offset < self.segment.read_only_from:
                     raise self._fail(f"put span {offset}+{size} straddles the ring's end")
                 in_place.append((offset, size))
+        marks = None
+        if any(view is not None for view in views):
+            if ready.marks == p.SKIP:
+                raise self._fail("PUT_READY lends places but no completion marks")
+            marks = self._span(ready.marks, len(items) * p.MARK_BYTES)
+            if ready.marks + marks.nbytes > self.segment.read_only_from:
+                raise self._fail(f"completion marks at {ready.marks} lie outside the ring")
         if in_place:
             self._protect(in_place, writable=True)
-        return PutBatch(ready.batch, views, in_place, [None] * len(views))
+        return PutBatch(ready.batch, views, in_place, [None] * len(views), marks, list(ready.offsets))
 
     def commit_put(self, batch: PutBatch) -> int:
         if batch.in_place:

@@ -24,9 +24,10 @@ from typing import Any, ClassVar, NamedTuple
 from kvharbor.cache.keys import KEY_BYTES
 from kvharbor.config import ConfigDigest
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 """Bumped on any change to frames or message bodies. 2: PROGRESS. 4: PUT_COMMIT carries
-the writer's payload checksums. 5: HELLO carries the client's `ConfigDigest`."""
+the writer's payload checksums. 5: HELLO carries the client's `ConfigDigest`. 6: PUT_READY
+lends an area for completion marks."""
 
 FRAME = struct.Struct("<IHHQ")
 FRAME_BYTES = FRAME.size
@@ -386,15 +387,77 @@ class PutReady(Message):
     batch: int
     offsets: list[int]
     """Where each value goes in shared memory, or `SKIP`."""
+    marks: int = SKIP
+    """Where the batch's completion marks lie in shared memory (`MARK_BYTES` per value of
+    the PUT_PREPARE, in its order); `SKIP` when no value was lent."""
 
     def body(self) -> bytes:
-        return _U64.pack(self.batch) + _U32.pack(len(self.offsets)) + b"".join(_U64.pack(o) for o in self.offsets)
+        return (
+            _U64.pack(self.batch)
+            + _U64.pack(self.marks)
+            + _U32.pack(len(self.offsets))
+            + b"".join(_U64.pack(o) for o in self.offsets)
+        )
 
     @classmethod
     def parse(cls, reader: _Reader) -> PutReady:
-        batch = reader.unpack(_U64)[0]
+        batch, marks = reader.unpack(_U64)[0], reader.unpack(_U64)[0]
         n = reader.count()
-        return cls(batch, [reader.unpack(_U64)[0] for _ in range(n)])
+        return cls(batch, [reader.unpack(_U64)[0] for _ in range(n)], marks)
+
+
+# -- completion marks --------------------------------------------------------------
+#
+# A put's values are written by the client into places the gateway lent, and stored
+# when the client sends PUT_COMMIT. A client can die between the two (vLLM's default
+# shutdown kills its engine at once); the completion marks let the gateway store what
+# was finished anyway. After writing value i completely, the writer fills mark i in the
+# area PUT_READY lent (in the ring, which every client maps writable):
+#
+#     place u64 | length u64 | checksum u64 | state u64
+#
+# ``state`` last, in a store of its own: a process dies between two instructions, never
+# inside the program order of one thread, so a mark whose state is set was written
+# whole, after the value's bytes. The gateway zeroes the area when it lends it and reads
+# it only once the client is gone (the connection closed), so it never races a writer.
+
+
+class MarkState(enum.IntEnum):
+    """A mark's last field. Not 0/1: a stray byte must not pass for a mark."""
+
+    UNMARKED = 0
+    COMPLETE = 0x4B56_484D_0000_0001
+    """The value's bytes are complete; the gateway takes their checksum."""
+    COMPLETE_CHECKSUMMED = 0x4B56_484D_0000_0002
+    """Complete, and ``checksum`` is the writer's checksum of them (taken while copying)."""
+
+
+MARK = struct.Struct("<QQQQ")
+MARK_BYTES = MARK.size
+_MARK_HEAD = struct.Struct("<QQQ")
+_MARK_STATE = struct.Struct("<Q")
+
+
+class Mark(NamedTuple):
+    place: int
+    """The offset of the place the writer wrote (must be the one lent for this value)."""
+    length: int
+    checksum: int
+    state: int
+    """A `MarkState` when well formed; anything else is refused."""
+
+
+def write_mark(area: memoryview, index: int, place: int, length: int, checksum: int | None) -> None:
+    """Mark value ``index`` complete in a batch's mark ``area``: call it only once every
+    byte of the value is written. The state goes last, in its own store (see above)."""
+    at = index * MARK_BYTES
+    _MARK_HEAD.pack_into(area, at, place, length, checksum or 0)
+    state = MarkState.COMPLETE if checksum is None else MarkState.COMPLETE_CHECKSUMMED
+    _MARK_STATE.pack_into(area, at + _MARK_HEAD.size, state)
+
+
+def read_mark(area: memoryview, index: int) -> Mark:
+    return Mark._make(MARK.unpack_from(area, index * MARK_BYTES))
 
 
 @dataclass(frozen=True, slots=True)

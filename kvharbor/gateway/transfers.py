@@ -13,6 +13,14 @@ gateway frees what a connection still holds when it closes.
 The ring's size bounds the bytes in flight either way: reservations count
 against it, so a client that prepares and never commits cannot make the
 first tier evict more than a ring's worth of stored values.
+
+A put batch also lends a page or so of the ring for its completion marks
+(`protocol.write_mark`). A client that goes away with the batch open (vLLM's
+default shutdown SIGKILLs its engine right after the last response) has
+`commit_marked` store exactly the values it marked complete: a mark must name
+the place lent for its value, and a writer's checksum in it must match the
+bytes, or the value is refused (counted, a miss); an unmarked value may be
+half-written and is given back unread.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kvharbor.cache.format import checksum
 from kvharbor.cache.store import TieredStore
@@ -41,6 +50,36 @@ class _RingFull(Exception):
     pass
 
 
+_COMPLETE = frozenset((p.MarkState.COMPLETE, p.MarkState.COMPLETE_CHECKSUMMED))
+
+
+def _no_progress(done: int) -> None:
+    """Progress of a request nobody waits for (its client is gone)."""
+
+
+class Lent(NamedTuple):
+    """One value of a put batch the client was lent a place for."""
+
+    position: int
+    """Its place in the PUT_PREPARE's order (and so its completion mark's)."""
+    key: bytes
+    offset: int
+    """Where the client writes it in the segment."""
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class Abandoned:
+    """What `commit_marked` made of the values of a put whose client went away."""
+
+    stored: int
+    """Marked complete, checked and stored."""
+    refused: int
+    """Marked, but for another place or length, or with a checksum the bytes do not match."""
+    unmarked: int
+    """Not marked complete (maybe half-written): given back unread."""
+
+
 @dataclass(slots=True)
 class Batch:
     """Extents of the segment lent to one client for one transfer."""
@@ -51,10 +90,12 @@ class Batch:
     """Ring extents lent, as (offset, bytes asked)."""
     shared: list[SharedHit] = field(default_factory=list)
     """get: values served in place from a shared-memory RAM tier, pinned until release."""
-    items: list[tuple[bytes, int, int]] = field(default_factory=list)
-    """put: (key, offset, length) of each value to store from a ring extent."""
+    items: list[Lent] = field(default_factory=list)
+    """put: each value lent a place, in a ring extent or in place."""
     reservations: list[Reservation] = field(default_factory=list)
     """put: values the client writes in their place in the first tier."""
+    marks: int = p.SKIP
+    """put: offset of the completion marks (also among ``extents``), or `SKIP`."""
     fingerprint: bytes = b""
 
 
@@ -79,7 +120,9 @@ class Transfers:
     # -- puts ----------------------------------------------------------------
 
     def prepare_put(self, message: p.PutPrepare, progress: Progress) -> tuple[int, Batch, list[int]]:
-        """Room for each value not yet stored; `SKIP` for the rest (stored, or no room)."""
+        """Room for each value not yet stored; `SKIP` for the rest (stored, or no room).
+        The batch's completion marks come first: without room for them nothing is lent,
+        since a value lent without a mark would be lost if its client died."""
         for _, size in message.items:
             if not 0 < size <= self._value_max:
                 raise p.ProtocolError(
@@ -94,8 +137,9 @@ class Transfers:
         offsets = []
         no_room = 0
         try:
-            for (key, size), stored in zip(message.items, present, strict=True):
-                offset = None if stored else self._place_put(batch, key, size, pinned, deadline)
+            marked = not all(present) and self._lend_marks(batch, len(keys), deadline)
+            for index, ((key, size), stored) in enumerate(zip(message.items, present, strict=True)):
+                offset = self._place_put(batch, index, key, size, pinned, deadline) if marked and not stored else None
                 if offset is None:
                     no_room += not stored
                     offsets.append(p.SKIP)
@@ -110,7 +154,21 @@ class Transfers:
         assert len(offsets) == len(message.items)
         return self._new_batch_id(), batch, offsets
 
-    def _place_put(self, batch: Batch, key: bytes, size: int, pinned: frozenset[bytes], deadline: float) -> int | None:
+    def _lend_marks(self, batch: Batch, count: int, deadline: float) -> bool:
+        """A zeroed area of ``count`` completion marks for ``batch``; False: no room by ``deadline``."""
+        nbytes = count * p.MARK_BYTES
+        offset = self.ring.allocate(nbytes, deadline)
+        if offset is None:
+            return False
+        batch.extents.append((offset, nbytes))
+        batch.marks = offset
+        # The ring's memory held other transfers' bytes: a stale mark must not pass for one.
+        self.segment.view[offset : offset + nbytes] = bytes(nbytes)
+        return True
+
+    def _place_put(
+        self, batch: Batch, index: int, key: bytes, size: int, pinned: frozenset[bytes], deadline: float
+    ) -> int | None:
         """Where the client writes ``key``'s value: in place in the first tier when it
         can take it there within the in-flight budget, else a ring extent (waiting
         for room until ``deadline``); None when there is neither."""
@@ -120,14 +178,14 @@ class Transfers:
         reservation = self.store.reserve(key, batch.fingerprint, size, pinned) if in_budget else None
         if reservation is not None:
             batch.reservations.append(reservation)
-            batch.items.append((key, reservation.payload_offset, size))
+            batch.items.append(Lent(index, key, reservation.payload_offset, size))
             return reservation.payload_offset
         if in_budget:
             self._unreserve(size)
         offset = self.ring.allocate(size, deadline)
         if offset is not None:
             batch.extents.append((offset, size))
-            batch.items.append((key, offset, size))
+            batch.items.append(Lent(index, key, offset, size))
         return offset
 
     def commit_put(self, batch: Batch, checksums: Sequence[int], progress: Progress) -> int:
@@ -139,9 +197,47 @@ class Transfers:
             raise p.ProtocolError(
                 p.ErrorCode.MALFORMED, f"PUT_COMMIT has {len(checksums)} checksums for {len(batch.items)} values"
             )
-        known = dict(zip((offset for _, offset, _ in batch.items), checksums, strict=False))
+        known = dict(zip((lent.offset for lent in batch.items), checksums, strict=False))
+        return self._store(batch, batch.items, known, progress)
+
+    def commit_marked(self, batch: Batch) -> Abandoned:
+        """Store the values of a put whose client went away before its commit: those whose
+        mark says complete, names the place and length lent, and carries no checksum or
+        the bytes' own. Call it only once the client is gone (no writer races the read).
+        The caller frees the batch, whatever happens."""
+        assert batch.kind == "put"
+        if batch.marks == p.SKIP or not batch.items:
+            return Abandoned(0, 0, len(batch.items))
         view = self.segment.view
-        pinned = frozenset(key for key, _, _ in batch.items)  # The batch's own chunks stay.
+        area = view[batch.marks : batch.marks + (batch.items[-1].position + 1) * p.MARK_BYTES]
+        claims: list[tuple[Lent, int | None]] = []
+        refused = unmarked = 0
+        for lent in batch.items:
+            mark = p.read_mark(area, lent.position)
+            if mark.state == p.MarkState.UNMARKED:
+                unmarked += 1
+            elif mark.state not in _COMPLETE or (mark.place, mark.length) != (lent.offset, lent.size):
+                refused += 1
+            else:
+                claims.append((lent, mark.checksum if mark.state == p.MarkState.COMPLETE_CHECKSUMMED else None))
+        digests = self._checksummers.map(
+            lambda claim: checksum(view[claim[0].offset : claim[0].offset + claim[0].size]), claims
+        )
+        complete: list[Lent] = []
+        known: dict[int, int] = {}
+        for (lent, claimed), digest in zip(claims, digests, strict=True):
+            if claimed is not None and claimed != digest:
+                refused += 1  # Damaged after its writer's copy, or a writer's bug: never stored.
+                continue
+            complete.append(lent)
+            known[lent.offset] = digest
+        return Abandoned(self._store(batch, complete, known, _no_progress), refused, unmarked)
+
+    def _store(self, batch: Batch, items: Sequence[Lent], known: dict[int, int], progress: Progress) -> int:
+        """Store ``items`` (some or all of the batch's) with the checksums ``known`` by offset;
+        the reservations of the others are left in the batch for `free`."""
+        view = self.segment.view
+        pinned = frozenset(lent.key for lent in batch.items)  # The batch's own chunks stay.
         in_place = {reservation.payload_offset: reservation for reservation in batch.reservations}
         batch.reservations.clear()
         stored = 0
@@ -149,12 +245,12 @@ class Transfers:
         try:
             # Values written in place without the writer's checksum (a GPU's DMA) are
             # checksummed first, several at a time: xxh3 lets go of the GIL.
-            unknown = [offset for offset in in_place if offset not in known]
+            unknown = [lent.offset for lent in items if lent.offset in in_place and lent.offset not in known]
             digests = self._checksummers.map(lambda offset: checksum(in_place[offset].payload), unknown)
             known.update(zip(unknown, digests, strict=True))
             # Tail first, so a prefix's head is the most recently admitted and the
             # last to be evicted (an evicted head strands every later chunk).
-            for key, offset, size in reversed(batch.items):
+            for _, key, offset, size in reversed(items):
                 assert offset + size <= self.segment.size
                 reservation = in_place.pop(offset, None)
                 if reservation is not None:

@@ -18,6 +18,9 @@ kvharbor is on. Spec keys:
   requests are still unfinished. One ``E2E {"request": ...}`` line per request.
 - ``release``: optional; the gateway client announces this release in its
   HELLO instead of kvharbor's own (a gateway of another release, seen from here).
+- ``die_before_commit``: optional; the engine (this process, the worker included:
+  multiprocessing is off) SIGKILLs itself when its first save is about to be
+  committed, its chunks copied and marked: vLLM's default shutdown at its worst.
 
 Last line: ``E2E {"metrics": {...}}``, the ``vllm:kvharbor_*`` and
 ``vllm:external_prefix_cache_*`` values.
@@ -122,11 +125,24 @@ def announce_release(release: str) -> None:
     GatewayClient.connect = classmethod(functools.partial(connect, release=release))  # type: ignore[method-assign]
 
 
+def die_before_commit() -> None:
+    from kvharbor.gateway.client import GatewayClient, PutBatch
+
+    def commit_put(self: GatewayClient, batch: PutBatch) -> int:
+        emit({"dying_before_commit": sum(view is not None for view in batch.views)})
+        os.kill(os.getpid(), signal.SIGKILL)
+        raise AssertionError("SIGKILL returned")
+
+    GatewayClient.commit_put = commit_put  # type: ignore[method-assign]
+
+
 def main() -> int:
     with open(sys.argv[1]) as f:
         spec = json.load(f)
     if spec.get("release"):
         announce_release(spec["release"])
+    if spec.get("die_before_commit"):
+        die_before_commit()
     from vllm import LLM
 
     options = {"enforce_eager": True, "dtype": "float32", "max_model_len": 4096, "disable_log_stats": False}

@@ -10,6 +10,7 @@ bound: a process's exit, a readiness pipe, a server's log line and then its
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -20,6 +21,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -205,16 +207,22 @@ class Lab:
 
     def stored_objects(self, cache: Path | None = None) -> int:
         """Objects in the file tier (the lab's, or the one at ``cache``), counted on disk once
-        the engines that wrote them are gone.
-
-        The engine's ``stored_chunks`` counter only reports commits that finished before
-        its last step; the last save commits behind the engine.
-        """
+        the engines that wrote them are gone."""
         return sum(1 for _ in FileDevice("local", str(cache or self.cache), 64 << 20).scan())
 
     def gateway_log(self) -> str:
         path = self.root / "gateway.log"
         return path.read_text(errors="replace") if path.exists() else ""
+
+    def wait_for_gateway_log(self, text: str, timeout_s: float = READY_TIMEOUT_S) -> None:
+        """Until the service gateway's log says ``text`` (it hears of a client's death on
+        its own thread, a moment after the client's exit), bounded."""
+        gateway = self._services[-1]
+        deadline = time.monotonic() + timeout_s
+        while text not in self.gateway_log():
+            assert time.monotonic() < deadline, f"the gateway did not log {text!r}:\n{self.gateway_log()[-4000:]}"
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                gateway.wait(0.1)  # A pause between reads that ends early if the gateway exits.
 
     def embedded_gateway_log(self) -> str:
         """The log of the embedded gateway an engine started (it writes beside its socket)."""
@@ -256,16 +264,22 @@ class Lab:
         shutil.rmtree(self.runtime, ignore_errors=True)
 
 
-def start_server(lab: Lab, graceful: bool = True) -> VllmServer:
-    """vLLM's OpenAI server on the tiny model with ``KVHARBOR=1``, multiprocessing on (as users run it).
-
-    ``graceful``: ``--shutdown-timeout 30``, which lets the workers finish their last saves;
-    else vLLM's default (0 s), which kills the engine and all its descendants at once.
-    """
+def start_server(lab: Lab) -> VllmServer:
+    """vLLM's OpenAI server on the tiny model with ``KVHARBOR=1``, multiprocessing on and
+    vLLM's default shutdown (``--shutdown-timeout 0``: the engine is killed at once), as
+    users run it."""
     env = lab.env()
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
     log = lab.root / f"server-{uuid.uuid4().hex[:6]}.log"
     args = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "4096"]
-    if graceful:
-        args += ["--shutdown-timeout", "30"]
     return VllmServer(lab.model, log, env, name="tiny", args=args, cwd=lab.root)
+
+
+def wait_for_metric(server: VllmServer, name: str, expected: float, timeout_s: float = READY_TIMEOUT_S) -> None:
+    """Poll the server's /metrics until ``name`` reads ``expected``, bounded."""
+    deadline = time.monotonic() + timeout_s
+    while (value := server.metrics().get(name, 0.0)) != expected:
+        assert time.monotonic() < deadline, f"{name} is {value}, not {expected}, after {timeout_s} s"
+        # A pause between polls that ends early if the server exits.
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            server.process.wait(0.1)

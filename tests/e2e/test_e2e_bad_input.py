@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from e2e_harness import OFF_LINE, Lab, bound, request, tokens
+from e2e_harness import CHUNK, OFF_LINE, Lab, bound, request, tokens
 
 pytestmark = pytest.mark.e2e
 
@@ -67,3 +67,24 @@ def test_gateway_of_another_release_turns_the_cache_off(lab: Lab) -> None:
     assert [r["external_hits"] for r in run.rounds()] == [0, 0]
     assert run.metrics()["vllm:kvharbor_cache_off"] == 1
     assert json.dumps(run.requests()["0.0"]["tokens"]) == json.dumps(run.requests()["1.0"]["tokens"])
+
+
+def test_engine_killed_while_it_saves_reads_nothing_wrong(lab: Lab) -> None:
+    """SIGKILL with the step's chunks copied and marked but not committed: the gateway stores
+    them from their marks, and a restart restores them with the tokens a recompute gives."""
+    lab.config_path = lab.write_config(mode="service")
+    gateway = lab.start_gateway()
+    killed = lab.run({"rounds": [[request(LONG, max_tokens=1)]], "die_before_commit": True})
+    assert killed.returncode == -9, killed.log[-4000:]
+    chunks = len(LONG) // CHUNK
+    assert killed.record("dying_before_commit")["dying_before_commit"] == chunks
+    lab.wait_for_gateway_log(f"stored {chunks} value(s) it had marked complete, refused 0 mark(s)")
+
+    # The same prompt, then under a salt of its own: a recompute, the reference.
+    restarted = lab.run({"rounds": [[request(LONG)], [request(LONG, "reference")]]}).ok()
+    assert [r["external_hits"] for r in restarted.rounds()] == [bound(len(LONG)), 0]
+    results = restarted.requests()
+    assert results["0.0"]["tokens"] == results["1.0"]["tokens"] and len(results["0.0"]["tokens"]) == 8
+    metrics = restarted.metrics()
+    assert metrics["vllm:kvharbor_load_errors"] == 0 and metrics["vllm:kvharbor_cache_off"] == 0
+    assert gateway.poll() is None, "the gateway serves on"

@@ -52,7 +52,7 @@ def wait_until(condition: Callable[[], bool], what: str) -> None:
 
 def test_a_restarted_server_restores_from_the_lingering_gateways_ram_tier(lab: Lab, servers: list[VllmServer]) -> None:
     lab.config_path = lab.write_config(tiers=[{"name": "ram", "type": "ram", "capacity_gb": 0.25}])
-    servers.append(start_server(lab, graceful=False))
+    servers.append(start_server(lab))
     first = servers[0].wait_ready().complete(PROMPT)
     assert first.prompt_tokens == len(PROMPT) and first.cached_tokens == 0
     # The chunks are in the RAM tier before the stop (that the last saves land at
@@ -64,7 +64,7 @@ def test_a_restarted_server_restores_from_the_lingering_gateways_ram_tier(lab: L
     assert not wait_for_exit(gateway_pid, 0), "the gateway survived vLLM's shutdown"
     wait_until(lambda: "kvharbor: last client detached; lingering 600 s" in lab.embedded_gateway_log(), "lingering")
 
-    servers.append(start_server(lab, graceful=False))
+    servers.append(start_server(lab))
     second = servers[1].wait_ready().complete(PROMPT)
     assert second.cached_tokens == bound(len(PROMPT)) > 0
     assert second.text == first.text

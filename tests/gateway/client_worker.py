@@ -28,6 +28,7 @@ from gateway_harness import (
 
 from kvharbor.config import load_config
 from kvharbor.gateway import embedded
+from kvharbor.gateway import protocol as p
 from kvharbor.gateway.client import GatewayClient, GatewayError
 from kvharbor.gateway.protocol import PutCommit
 from kvharbor.gateway.wire import send_message
@@ -110,6 +111,23 @@ def main(mode: str, config_path: str, *args: str) -> int:
         for view, (key, size) in zip(batch.views, items, strict=True):
             assert view is not None, "the test sizes the ring for this batch"
             view[: size // 2] = value_for(key, size)[: size // 2]  # Half-written when killed.
+        say("prepared")
+        wait_for_cue()
+    elif mode == "marked-put":
+        # The five fates of a value whose writer dies before the commit, one per value.
+        nbytes = int(args[0])
+        items = [(bytes([0xA0 + i]) * 16, nbytes) for i in range(5)]
+        batch = client.prepare_put(FINGERPRINT, items)
+        views = [view for view in batch.views if view is not None]
+        assert len(views) == len(items) and batch.marks is not None, "the test sizes the ring for this batch"
+        batch.write(0, value_for(*items[0]))  # Copied with its checksum, marked with it.
+        views[1][:] = value_for(*items[1])
+        batch.mark(1)  # Filled by other means (a gather, a DMA), marked without a checksum.
+        views[2][: nbytes // 2] = value_for(*items[2])[: nbytes // 2]  # Half-written, unmarked.
+        batch.write(3, value_for(*items[3]))
+        views[3][0] ^= 0xFF  # Damaged after its writer took the checksum.
+        views[4][:] = value_for(*items[4])
+        p.write_mark(batch.marks, 4, batch.offsets[0], nbytes, None)  # Names another value's place.
         say("prepared")
         wait_for_cue()
     elif mode == "hold-get":

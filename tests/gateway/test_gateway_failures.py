@@ -28,6 +28,7 @@ from gateway_harness import (
 
 from kvharbor.config import MIB
 from kvharbor.gateway.client import GatewayUnavailable
+from kvharbor.hal.extents import PAGE_BYTES
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -135,8 +136,9 @@ def test_client_killed_holding_a_put_frees_its_room(lab: Lab, started: Callable[
         worker = lab.worker("hold-put", str(gateway.config_path), str(8 * MIB), "3")
         assert worker.line() == "prepared"
         held = observer.status()["shm"]
-        # Lent in the ring, or in place in the RAM tier: 24 MiB in flight either way.
-        assert full - held["free_bytes"] + held["in_place_bytes"] == 24 * MIB
+        # Lent in the ring, or in place in the RAM tier: 24 MiB in flight either way,
+        # and a page of the ring for the batch's completion marks.
+        assert full - held["free_bytes"] + held["in_place_bytes"] == 24 * MIB + PAGE_BYTES
         worker.kill()
         wait_until(
             lambda: (shm := observer.status()["shm"])["free_bytes"] == full and shm["in_place_bytes"] == 0,
@@ -145,13 +147,46 @@ def test_client_killed_holding_a_put_frees_its_room(lab: Lab, started: Callable[
         status = observer.status()
         assert status["transfers_open"] == 0
         assert status["counters"]["clients_died_mid_transfer"] == 1
-        # Its half-written values were never committed: nothing of it is stored.
+        # Its half-written values were never committed, nor marked: nothing of it is stored.
         assert observer.lookup([bytes([0]) * 16]) == 0
+        assert status["counters"]["unmarked_dropped"] == 3
         # And the ring serves others at full size again.
         items = [(key, 8 * MIB) for key in keys_of(3, tag=7)]
         assert put_values(observer, items) == 3
         assert get_values(observer, [k for k, _ in items]) == [value_for(k, n) for k, n in items]
     assert "went away with 1 open transfer(s)" in gateway.log()
+
+
+@pytest.mark.parametrize("first_tier", ["ram", "file"])
+def test_client_killed_before_its_commit_has_its_marked_values_stored(
+    lab: Lab, started: Callable[..., GatewayProcess], first_tier: str
+) -> None:
+    """A RAM tier in the segment lends each value its final place; a file tier, a ring extent."""
+    tiers = {
+        "ram": [{"name": "ram", "type": "ram", "capacity_gb": 0.25}],
+        "file": [{"name": "local", "type": "file", "path": str(lab.tmp_path / "files"), "capacity_gb": 0.25}],
+    }
+    gateway = started(ring_mb=32, tiers=tiers[first_tier])
+    size = 1 * MIB
+    keys = [bytes([0xA0 + i]) * 16 for i in range(5)]
+    with closing_client(gateway.client("observer")) as observer:
+        full = observer.status()["shm"]["ring_bytes"]
+        worker = lab.worker("marked-put", str(gateway.config_path), str(size))
+        assert worker.line() == "prepared"
+        assert [observer.lookup([key]) for key in keys] == [0] * 5, "nothing is stored before the writer is gone"
+        worker.kill()
+        wait_until(
+            lambda: (shm := observer.status()["shm"])["free_bytes"] == full and shm["in_place_bytes"] == 0,
+            "the dead client's room freed",
+        )
+        # The two values marked complete are stored, with their bytes; the half-written one,
+        # the one damaged after its checksum and the one marked for another place are not.
+        assert [observer.lookup([key]) for key in keys] == [1, 1, 0, 0, 0]
+        assert get_values(observer, keys[:2]) == [value_for(key, size) for key in keys[:2]]
+        counters = observer.status()["counters"]
+        assert (counters["marked_stored"], counters["marks_refused"], counters["unmarked_dropped"]) == (2, 2, 1)
+        assert counters["clients_died_mid_transfer"] == 1
+    assert "stored 2 value(s) it had marked complete, refused 2 mark(s)" in gateway.log()
 
 
 def test_client_killed_holding_a_get_frees_its_room(lab: Lab, started: Callable[..., GatewayProcess]) -> None:

@@ -27,7 +27,7 @@ messages = st.one_of(
     st.builds(p.Lookup, u32, key_lists),
     st.builds(p.LookupOk, u32),
     st.builds(p.PutPrepare, keys, st.lists(st.tuples(keys, u64), max_size=40)),
-    st.builds(p.PutReady, u64, st.lists(u64, max_size=40)),
+    st.builds(p.PutReady, u64, st.lists(u64, max_size=40), u64),
     st.builds(p.PutCommit, u64, st.lists(u64, max_size=40)),
     st.builds(p.PutDone, u32),
     st.builds(p.Get, keys, key_lists),

@@ -152,3 +152,17 @@ def dead_gateway_fails_loads_not_the_step(
     gateway.start()  # The same storage, served again: the saves before the death are there, the one after is not.
     assert gateway.holds([K0, K1]) == 2
     assert gateway.holds([MISSING]) == 0
+
+
+def test_the_report_that_says_no_save_is_pending_counts_every_commit(real_gateway: RealGateway) -> None:
+    """What keeps vLLM stepping until ``stored_chunks`` includes the last commit (see `worker`)."""
+    side = worker(real_gateway, caches(seed=5))
+    side.save(KVHarborMetadata(saves=[transfer([K0, K1], [1, 2, 3, 4])]))
+    first = side.take_stats()  # The commit runs behind: it may or may not be counted yet.
+    side.close()  # Waits for it.
+    last = side.take_stats()
+    assert first["saves_pending"] in (0, 1) and last["saves_pending"] == 0
+    if first["saves_pending"] == 0:
+        assert first["stored_chunks"] == 2, "a report without pending saves has counted them"
+    assert first["stored_chunks"] + last["stored_chunks"] == 2
+    assert first["saves"] + last["saves"] == 1

@@ -116,6 +116,12 @@ class KVHarborConnector(KVConnectorBase_V1):
     def take_events(self) -> Iterable[Any]:
         return ()
 
+    def has_pending_push_work(self) -> bool:
+        """Keep the engine stepping while a worker's saves are not yet counted, so that
+        ``vllm:kvharbor_stored_chunks`` includes the last commit (and a draining
+        shutdown waits for it)."""
+        return self._scheduler is not None and self._scheduler.saves_pending
+
     def update_connector_output(self, connector_output: Any) -> None:
         """The workers' stats of a step: what the load-or-recompute choice learns from."""
         if self._scheduler is not None:

@@ -69,6 +69,8 @@ class SchedulerSide:
         self.planner = planner
         """Load or recompute (`kvharbor.cache.bandwidth`); None: always load."""
         self._workers_off = False
+        self.saves_pending = False
+        """The workers' last report had saves not yet counted (`worker` says why it matters)."""
         self._chose_recompute: set[str] = set()
         self.counters = SchedulerCounters()
         self._requests: dict[str, _Request] = {}
@@ -161,6 +163,10 @@ class SchedulerSide:
         data = getattr(stats, "data", None)
         if not data:
             return
+        # A worker reports its last save's commit with "none pending" in the same stats,
+        # and only an empty report (nothing pending, nothing done) is left out: so this
+        # turns false exactly when the last commit has been counted.
+        self.saves_pending = bool(data.get("saves_pending"))
         if data.get("cache_off") and not self._workers_off:
             self._workers_off = True
             self._once.say("workers-off", "the external KV cache is off on a worker: no more restores are planned")

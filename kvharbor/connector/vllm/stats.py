@@ -36,8 +36,10 @@ _SUMMED = (
     "prefill_flops",
     "prefill_s",
 )
-_MAXED = ("cache_off",)
-"""1 when the external cache is off on some rank."""
+_MAXED = ("cache_off", "saves_pending")
+"""``cache_off``: 1 when the external cache is off on some rank. ``saves_pending``: the
+saves some worker has not counted yet (not exported: it keeps the engine stepping
+until they are, see `worker`)."""
 
 _HELP = {
     "lookups": "Requests whose prompt chunks were looked up in kvharbor",

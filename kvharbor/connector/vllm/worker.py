@@ -15,6 +15,41 @@ thread, so the storage write is off the engine's critical path. Loads and
 saves use separate gateway connections so a slow storage write never delays
 a load. The copies themselves are `datapath.DataPath`'s, one algorithm on
 either device.
+
+Saves land even when vLLM kills the engine. What vLLM 0.32 does on SIGINT or
+SIGTERM with its default ``--shutdown-timeout 0``: the API server's handler
+calls ``AsyncLLM.shutdown(timeout=0)``; the engine-core process manager
+(``v1/engine/utils.py`` `CoreEngineProcManager.shutdown`, then
+``v1/utils.py`` `shutdown`) sends the engine core SIGTERM and, its deadline
+being now, at once ``kill_process_tree``: SIGKILL to the engine core and every
+descendant (the worker runs inside the engine core at TP=1, in children of it
+otherwise). The engine core's own handler (abort mode) never gets to tear
+down, so the connector's ``shutdown()`` is not called and a commit still on
+the saver thread dies with the process. Hence completion marks
+(`protocol.write_mark`): the saver marks each value in shared memory once its
+bytes are there (`CacheLink.store`, after ``settle``), and a gateway whose
+client went away stores exactly the marked values (`Transfers.commit_marked`).
+The alternative, committing before the step returns, puts the storage write
+on the critical path of every prefill; ``bench/saves.py`` measures it: on a
+2-core CPU machine it added 83-128 ms per 2,000-token prompt with the default
+file tier (1.7 % of that slow prefill) where the marks cost nothing
+measurable; on a GPU, whose prefill is ~100x faster and whose KV is the same
+size, the commit would dominate the time to first token.
+
+- CPU (``fill_before_step_end``): the step waits for the copies into shared
+  memory, and the marks are written before it is released. When the step
+  returns, every chunk it saved is marked: a response can only follow.
+- GPU: the step only gathers into device staging; the saver thread prepares
+  the put, starts the device-to-host copy and marks the values once it has
+  waited for that copy. A kill between the step's end and that point (the
+  copy's milliseconds, plus the time a save waits behind earlier ones in the
+  saver's queue) still loses that step's chunks.
+
+The engine's counters include the last commit: while a save is queued or
+committing, the workers report ``saves_pending`` in their stats and the
+scheduler answers vLLM's ``has_pending_push_work`` with yes, so the engine
+keeps stepping (without a forward pass) and takes the workers' stats until
+the commit has been counted.
 """
 
 from __future__ import annotations
@@ -69,6 +104,8 @@ class WorkerSide:
         self._stats_lock = threading.Lock()
         self._once = OnceLog(_log)
         self._saves: queue.Queue[_SaveJob | None] = queue.Queue(maxsize=config.engine.save_queue_steps_max)
+        self._saves_pending = 0
+        """Save jobs queued or committing; under ``_stats_lock``, counted out with their stats."""
         self._saver = threading.Thread(target=self._save_loop, name="kvharbor-saver", daemon=True)
         self._saver.start()
 
@@ -173,9 +210,13 @@ class WorkerSide:
         if parts is None:
             return
         job = _SaveJob(parts, path.copy.chunk_bytes, threading.Event())
+        with self._stats_lock:
+            self._saves_pending += 1
         try:
             self._saves.put_nowait(job)
         except queue.Full:
+            with self._stats_lock:
+                self._saves_pending -= 1
             parts.done()
             _log.warning(
                 "kvharbor: %d steps' saves waiting for storage (engine.save_queue_steps_max); this step's %d "
@@ -183,7 +224,8 @@ class WorkerSide:
             )  # fmt: skip
             return
         if parts.fill_before_step_end:
-            # The pages are read from the blocks, which the next step may reuse; the storage write need not wait.
+            # The pages are read from the blocks, which the next step may reuse; the storage
+            # write need not wait. Released once they are copied and marked complete.
             job.filled.wait(self.config.gateway.request_timeout_ms / 1000 * 2)
 
     def _save_loop(self) -> None:
@@ -191,31 +233,36 @@ class WorkerSide:
             started = time.perf_counter()
             parts = job.parts
             items = [(key, job.chunk_bytes) for key in parts.keys]
-
-            def filled(parts: SaveParts = parts, event: threading.Event = job.filled) -> None:
-                # The one place where every filled value's bytes are known to be complete in
-                # shared memory (after the staged copies have landed), before the commit.
-                parts.settle()
-                event.set()
-
+            stored = 0
             try:
-                stored = self._save_link.store(self.fingerprint, items, parts.fill, on_filled=filled)
+                # ``settle`` is the one place after which every filled value's bytes are known
+                # to be complete in shared memory (the staged copies have landed): the link
+                # marks them then, and only then is the step released.
+                stored = self._save_link.store(self.fingerprint, items, parts.fill, parts.settle, job.filled.set)
+            except Exception:
+                # A bug in a copy must not end the saver (every later step would wait for it).
+                _log.exception("kvharbor: internal error saving %d chunks; they are not saved", len(items))
             finally:
                 job.filled.set()
                 parts.done()
-            self._count(
-                saves=1,
-                save_s=time.perf_counter() - started,
-                stored_chunks=stored,
-                stored_bytes=stored * job.chunk_bytes,
-                cache_off=int(self._save_link.is_off),
-            )
+                with self._stats_lock:  # Counted out with its stats, in one step's report.
+                    self._saves_pending -= 1
+                    self._add(
+                        saves=1,
+                        save_s=time.perf_counter() - started,
+                        stored_chunks=stored,
+                        stored_bytes=stored * job.chunk_bytes,
+                        cache_off=int(self._save_link.is_off),
+                    )
 
     # -- stats and shutdown ----------------------------------------------------------
 
     def take_stats(self) -> dict[str, float]:
+        """The stats since the last call; ``saves_pending`` is the saves not yet counted,
+        taken with them: a report saying none are pending includes the last commit."""
         with self._stats_lock:
             stats, self._stats = self._stats, empty()
+            stats["saves_pending"] = self._saves_pending
         if self._timer is not None:
             stats["prefill_flops"], stats["prefill_s"] = self._timer.take()
         # Every step once off, not only in a step that moved data: once the cache is
@@ -233,8 +280,12 @@ class WorkerSide:
 
     def _count(self, **deltas: float) -> None:
         with self._stats_lock:
-            for name, delta in deltas.items():
-                if name == "cache_off":
-                    self._stats[name] = max(self._stats[name], delta)
-                else:
-                    self._stats[name] = self._stats.get(name, 0) + delta
+            self._add(**deltas)
+
+    def _add(self, **deltas: float) -> None:
+        """`_count` with ``_stats_lock`` held."""
+        for name, delta in deltas.items():
+            if name == "cache_off":
+                self._stats[name] = max(self._stats[name], delta)
+            else:
+                self._stats[name] = self._stats.get(name, 0) + delta
