@@ -30,6 +30,7 @@ from typing import Any
 
 from kvharbor import __version__
 from kvharbor.cache.assembly import device_limit, open_store
+from kvharbor.cache.refill import RamRefill
 from kvharbor.cache.store import TieredStore
 from kvharbor.config import MIB, Config
 from kvharbor.gateway import protocol as p
@@ -143,6 +144,7 @@ class Gateway:
         """The segment's first bytes, the transfer ring; RAM tiers follow it."""
         self.store: TieredStore | None = None
         self.transfers: Transfers | None = None
+        self.refill: RamRefill | None = None
         self._listener: socket.socket | None = None
         self._socket_bound = False
         self._lock_file: int | None = None
@@ -177,6 +179,8 @@ class Gateway:
         assert self.segment is not None
         self.store = open_store(self.config, start_clean=self.start_clean, devices=shared)
         self.transfers = Transfers(self.config, self.store, self.segment, self.ring_bytes, self._count)
+        storage = self.config.storage
+        self.refill = RamRefill(self.store, storage.refill_ram, storage.refill_ram_mb_per_s)
         # Ours to replace: we hold the lock, so a socket file here is a dead gateway's.
         self.socket_path.unlink(missing_ok=True)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -193,6 +197,7 @@ class Gateway:
         listener.listen(gw.clients_max)
         if self._lifetime is not None:
             self._lifetime.start()
+        self.refill.start()
         _log.info(
             "kvharbor: gateway %s (protocol %d, pid %d) serving %s, shared memory %s (%d MiB), start-clean=%d",
             __version__, p.PROTOCOL_VERSION, os.getpid(), self.socket_path, self.segment.path,
@@ -314,6 +319,8 @@ class Gateway:
                 # refused at start must not unlink the one serving there.
                 self.socket_path.unlink(missing_ok=True)
             self._stop_clients()
+            if self.refill is not None:
+                self.refill.stop(self.config.gateway.stop_timeout_ms / 1000)
             if self.transfers is not None:
                 self.transfers.close()
             if self.store is not None:
@@ -347,6 +354,7 @@ class Gateway:
 
     def status(self) -> dict[str, Any]:
         assert self.store is not None and self.transfers is not None and self.segment is not None
+        assert self.refill is not None
         with self._clients_lock:
             connections = [c for c, _ in self._clients.values()]
         with self._counters_lock:
@@ -371,6 +379,7 @@ class Gateway:
             "transfers_open": sum(len(c.batches) for c in connections),
             "counters": counters,
             "store": asdict(self.store.status()),
+            "refill": asdict(self.refill.status()),
         }
 
     # -- one client --------------------------------------------------------

@@ -124,6 +124,14 @@ def _tiers(*tiers: dict[str, Any]) -> dict[str, Any]:
         pytest.param({"gateway": {"linger_s": "abc"}}, ["gateway.linger_s", "'abc'"], id="linger not a number"),
         pytest.param({"gateway": {"linger_s": "nan"}}, ["gateway.linger_s", "finite"], id="linger nan"),
         pytest.param(
+            {"storage": {"refill_ram_mb_per_s": 0}},
+            ["storage.refill_ram_mb_per_s", "greater than 0"],
+            id="refill pace 0",
+        ),
+        pytest.param(
+            {"storage": {"refill_ram": "sometimes"}}, ["storage.refill_ram", "'sometimes'"], id="refill not a bool"
+        ),
+        pytest.param(
             {"gateway": {"ring_mb": 32, "ring_mb_min": 64}},
             ["gateway.ring_mb", "gateway.ring_mb_min"],
             id="ring below its minimum",
