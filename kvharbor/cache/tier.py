@@ -150,6 +150,29 @@ class Tier:
 
     # -- reads -------------------------------------------------------------
 
+    @property
+    def resident(self) -> bool:
+        """Are this tier's values verified where readers see them, and beyond anyone's
+        reach but the gateway's? A shared-memory tier's are (see `_verify_shared`):
+        its hits can be promised as they are. A tier that outlives the gateway (files)
+        may have been damaged at rest, and a RAM tier in the gateway's memory was
+        checksummed before the copy; their hits are read back before a promise."""
+        return isinstance(self.device, SharedSpans)
+
+    def holds_plain(self, key: bytes, value_bytes: int) -> bool:
+        """Does this tier hold ``key`` as one uncompressed object of a ``value_bytes`` value
+        (0: of any size)? From the index alone, without touching the device."""
+        try:
+            entry = self.index.get(key)
+        except DeviceError as err:
+            self._index_fault(err)
+            return False
+        if entry is None:
+            return False
+        if not value_bytes:
+            return True
+        return self.codec is Codec.NONE and entry.parts == 1 and entry.nbytes == HEADER_BYTES + value_bytes
+
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         """Which keys the index says are here; an open breaker says none."""
         if self.breaker.state is BreakerState.OPEN:

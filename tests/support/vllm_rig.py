@@ -124,6 +124,11 @@ class SchedulerRig:
         """Rank 0's chunk keys of ``tokens``, as the connector computes them."""
         return [bytes(k) for k in self.layout.keys(tokens, salt)[0]]
 
+    def hold(self, keys: list[bytes]) -> int:
+        """Store chunks under ``keys`` as a worker of this layout would: values of its chunk
+        size, under its fingerprint; returns how many were stored (see `RealGateway.hold`)."""
+        return self.gateway.hold(keys, bytes(self.layout.chunk_bytes), fingerprint=self.layout.digests[0])
+
     def request(self, req_id: str, tokens: list[int], max_tokens: int = 4, salt: str | None = None) -> Request:
         return Request(
             req_id,
@@ -146,7 +151,7 @@ class SchedulerRig:
         assert isinstance(meta, KVHarborMetadata)
         for save in meta.saves if self.gateway.serving else []:  # The worker's part: the chunks land.
             keys = [bytes(key) for key in save.keys[0]]
-            assert self.gateway.hold(keys, b"saved") == len(keys), "a chunk is saved a second time"
+            assert self.hold(keys) == len(keys), "a chunk is saved a second time"
         req_ids = list(output.num_scheduled_tokens)
         sampled = []
         for req_id in req_ids:

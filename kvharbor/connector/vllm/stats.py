@@ -18,6 +18,8 @@ _SUMMED = (
     "lookups",
     "lookup_chunks",
     "hit_chunks",
+    "verified_chunks",
+    "unverified_chunks",
     "loaded_chunks",
     "loaded_bytes",
     "load_s",
@@ -42,7 +44,10 @@ _MAXED = ("cache_off",)
 _HELP = {
     "lookups": "Requests whose prompt chunks were looked up in kvharbor",
     "lookup_chunks": "Prompt chunks looked up in kvharbor",
-    "hit_chunks": "Prompt chunks kvharbor held when looked up",
+    "hit_chunks": "Prompt chunks kvharbor promised: stored, and in RAM or read back intact",
+    "verified_chunks": "Stored chunks outside RAM read back intact before they were promised",
+    "unverified_chunks": "Stored chunks not promised (damaged, of the wrong size, or not read back within "
+    "engine.verify_wait_ms); recomputed",
     "loaded_chunks": "Chunks restored from kvharbor into the KV cache",
     "loaded_bytes": "Bytes restored from kvharbor into the KV cache",
     "load_s": "Seconds spent restoring chunks (on the engine's critical path)",
@@ -51,7 +56,8 @@ _HELP = {
     "stored_bytes": "Bytes newly stored in kvharbor",
     "save_s": "Seconds spent storing chunks (behind the engine)",
     "saves": "Steps whose chunks were stored",
-    "load_errors": "Blocks planned for restore that kvharbor could not deliver (recomputed)",
+    "load_errors": "Promised blocks that kvharbor could not deliver after all (recomputed; vLLM's own "
+    "cached-token counts still include them)",
     "unsalted_skipped": "Requests not cached because engine.require_cache_salt is on and they had no salt",
     "bad_salt_skipped": "Requests not cached because their cache_salt was not a string",
     "short_prompts": "Prompts shorter than one chunk (nothing to look up)",

@@ -26,7 +26,7 @@ import torch
 from kvharbor.config import Config
 from kvharbor.connector.link import CacheLink
 from kvharbor.connector.vllm.gpu import GpuPages, GpuWorkerPath, StepTimer
-from kvharbor.connector.vllm.layout import VllmLayout
+from kvharbor.connector.vllm.layout import ConnectorRefusal, VllmLayout
 from kvharbor.connector.vllm.metadata import ChunkTransfer, KVHarborMetadata
 from kvharbor.connector.vllm.pages import PageCopier
 from kvharbor.connector.vllm.stats import empty
@@ -78,6 +78,7 @@ class WorkerSide:
             return
         self._copier = PageCopier(tensors, num_blocks)
         copier = self._copier
+        self._check_chunk_bytes(copier.chunk_bytes(self.layout.blocks_per_chunk))
         chunk_mib = copier.chunk_bytes(self.layout.blocks_per_chunk) / 2**20
         _log.info(
             "kvharbor: %d cache tensors registered (rank %d, page %d B, %.2f MiB per %d-token chunk; layout %s)",
@@ -90,6 +91,7 @@ class WorkerSide:
 
     def _register_gpu(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
         pages = GpuPages(list(kv_caches.values()), num_blocks, self.layout.blocks_per_chunk)
+        self._check_chunk_bytes(pages.chunk_bytes)
         _log.info(
             "kvharbor: %d GPU cache tensors registered (rank %d, page %d B, %.2f MiB per %d-token chunk; layout %s)",
             len(kv_caches), self.rank, pages.page_bytes, pages.chunk_bytes / 2**20, self.layout.chunk_size,
@@ -100,6 +102,17 @@ class WorkerSide:
         )
         if self._load_link.start() and self._save_link.start():
             self._gpu.pin()
+
+    def _check_chunk_bytes(self, registered: int) -> None:
+        """The scheduler looks up values of `VllmLayout.chunk_bytes`: a worker whose chunks
+        had another size would find every one of them a miss."""
+        expected = self.layout.chunk_bytes
+        if expected and registered != expected:
+            raise ConnectorRefusal(
+                f"the registered KV cache holds {registered} bytes per chunk where the KV cache config says "
+                f"{expected} ({', '.join(g.descriptor for g in self.layout.groups)}); layers sharing a cache "
+                "are not supported"
+            )
 
     # -- steps (GPU and timing) --------------------------------------------------------
 
@@ -124,10 +137,14 @@ class WorkerSide:
     # -- loads -------------------------------------------------------------------
 
     def load(self, meta: KVHarborMetadata) -> None:
+        """Restore the step's loads. A request whose load falls short keeps none of the
+        step's saves (``meta.saves`` is this worker's copy: pickled to it, or, in the
+        scheduler's process, built for this step and not read again)."""
         copier = self._copier
         if (copier is None and self._gpu is None) or not meta.loads:
             return
         started = time.perf_counter()
+        failed: set[str] = set()
         for transfer in meta.loads:
             if self._gpu is not None:
                 loaded_blocks = self._gpu.load(transfer)
@@ -136,7 +153,14 @@ class WorkerSide:
                 loaded_blocks = self._load_one(copier, transfer)
             self._load_errors.update(transfer.block_ids[loaded_blocks:])
             self._count(load_errors=len(transfer.block_ids) - loaded_blocks)
+            if loaded_blocks < len(transfer.block_ids):
+                failed.add(transfer.request_id)
         self._count(loads=1, load_s=time.perf_counter() - started, cache_off=int(self._load_link.is_off))
+        if failed:
+            # This step computes their later chunks over blocks that did not load: that KV
+            # is wrong and must not be stored. vLLM recomputes it, and the scheduler saves
+            # it then (`SchedulerSide.observe_load_errors`).
+            meta.saves = [save for save in meta.saves if save.request_id not in failed]
 
     def _load_one(self, copier: PageCopier, transfer: ChunkTransfer) -> int:
         """Load as many leading blocks of ``transfer`` as the cache holds; returns that count."""
