@@ -11,6 +11,7 @@ the workers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
@@ -33,6 +34,7 @@ import kvharbor.connector.vllm.connector as connector_module
 from kvharbor.connector.link import CacheLink, RankSwitch
 from kvharbor.connector.vllm.metadata import KVHarborMetadata
 from kvharbor.connector.vllm.scheduler import SchedulerSide
+from tests.gateway.gateway_harness import WAIT_S
 from tests.support.real_gateway import RealGateway
 
 BLOCK = 128
@@ -145,10 +147,13 @@ class SchedulerRig:
         self.scheduler.add_request(request)
         return request
 
-    def step(self) -> Step:
+    def step(self, load_errors: Callable[[KVHarborMetadata], set[int]] | None = None) -> Step:
+        """One step; ``load_errors(meta)``: the blocks of the step's loads the worker then
+        reports it could not load."""
         output = self.scheduler.schedule()
         meta = output.kv_connector_metadata
         assert isinstance(meta, KVHarborMetadata)
+        failed = load_errors(meta) if load_errors is not None else set()
         for save in meta.saves if self.gateway.serving else []:  # The worker's part: the chunks land.
             keys = [bytes(key) for key in save.keys[0]]
             assert self.hold(keys) == len(keys), "a chunk is saved a second time"
@@ -162,6 +167,7 @@ class SchedulerRig:
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled,
+            kv_connector_output=KVConnectorOutput(invalid_block_ids=failed) if failed else None,
         )
         finished = []
         stats: dict[str, float] = {}
@@ -186,3 +192,9 @@ class SchedulerRig:
 
     def block_ids(self, req_id: str) -> list[int]:
         return list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
+
+    def wait_read_back(self, req_id: str) -> None:
+        """Wait (bounded) for the read-back of ``req_id``'s stored chunks to finish."""
+        job = self.side._requests[req_id].verification
+        assert job is not None, f"{req_id}: no read-back was started"
+        assert job.done.wait(WAIT_S), f"{req_id}: read-back not finished within {WAIT_S} s"
