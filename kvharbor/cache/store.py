@@ -74,25 +74,31 @@ class TieredStore:
         return self.probe(keys, chunk_tokens).hits
 
     def probe(self, keys: Sequence[bytes], chunk_tokens: int = 0, value_bytes: int = 0) -> Probe:
-        """`lookup`, and how many leading hits are resident (`Tier.resident`) as values of
-        ``value_bytes`` (0: of any size): those need no reading back before a promise.
+        """`lookup`, and how many leading hits the first tier holds as resident values
+        (`Tier.resident`) of ``value_bytes`` (0: of any size): those need no reading back
+        before a promise.
 
-        A key whose first tier is resident and holds a value of another size is not a
-        hit (that tier is the one a get reads): it would fill no chunk of this layout.
+        A key the first, resident tier holds as a value of another size is not a hit:
+        that tier is the one a get reads, and the value would fill no chunk of this layout.
         """
         if not keys:
             return Probe(0, 0)
-        held = [tier.contains(keys) for tier in self.tiers]
-        hits = resident = 0
-        for i, key in enumerate(keys):
-            tier = next((t for t, present in zip(self.tiers, held, strict=True) if present[i]), None)
-            if tier is None:
-                break
-            if resident == hits and tier.resident:
-                if not tier.holds_plain(key, value_bytes):
+        resident = 0
+        first = self.tiers[0] if self.tiers else None
+        wrong_size = False
+        if first is not None and first.resident:
+            # The first tier's index answers presence too: a prompt all in RAM costs one
+            # index query, as a plain lookup does.
+            for size in first.value_sizes(keys):
+                if size is None:
+                    break  # Not there: held below (read back before a promise), or a miss.
+                if value_bytes and size != value_bytes:
+                    wrong_size = True
                     break
                 resident += 1
-            hits += 1
+        rest = [] if wrong_size else keys[resident:]
+        present = self.contains(rest) if rest else []
+        hits = resident + next((i for i, p in enumerate(present) if not p), len(rest))
         assert 0 <= resident <= hits <= len(keys)
         self.accounting.record(len(keys) * chunk_tokens, hits * chunk_tokens)
         return Probe(hits, resident)

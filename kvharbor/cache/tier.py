@@ -152,26 +152,24 @@ class Tier:
 
     @property
     def resident(self) -> bool:
-        """Are this tier's values verified where readers see them, and beyond anyone's
-        reach but the gateway's? A shared-memory tier's are (see `_verify_shared`):
-        its hits can be promised as they are. A tier that outlives the gateway (files)
-        may have been damaged at rest, and a RAM tier in the gateway's memory was
-        checksummed before the copy; their hits are read back before a promise."""
-        return isinstance(self.device, SharedSpans)
+        """Are this tier's values verified where readers see them, beyond anyone's reach but
+        the gateway's, and stored plain (the index knows their sizes)? A shared-memory
+        tier's are (see `_verify_shared`): its hits can be promised as they are. A tier
+        that outlives the gateway (files) may have been damaged at rest, and a RAM tier in
+        the gateway's memory was checksummed before the copy: their hits are read back
+        before a promise."""
+        return isinstance(self.device, SharedSpans) and self.codec is Codec.NONE
 
-    def holds_plain(self, key: bytes, value_bytes: int) -> bool:
-        """Does this tier hold ``key`` as one uncompressed object of a ``value_bytes`` value
-        (0: of any size)? From the index alone, without touching the device."""
+    def value_sizes(self, keys: Sequence[bytes]) -> list[int | None]:
+        """Per key, the bytes of its value if held as one plain object, or None when it is
+        absent; from the index alone. (A fragmented value reads as a size larger than its
+        own: one header per fragment.)"""
         try:
-            entry = self.index.get(key)
+            sizes = self.index.nbytes(keys)
         except DeviceError as err:
             self._index_fault(err)
-            return False
-        if entry is None:
-            return False
-        if not value_bytes:
-            return True
-        return self.codec is Codec.NONE and entry.parts == 1 and entry.nbytes == HEADER_BYTES + value_bytes
+            return [None] * len(keys)
+        return [None if n is None else n - HEADER_BYTES for n in sizes]
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         """Which keys the index says are here; an open breaker says none."""
