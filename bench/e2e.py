@@ -1,6 +1,6 @@
 """Time to first token of a long prompt on a restarted vLLM: kvharbor restore vs recompute vs ExampleConnector.
 
-    .venv/bin/python bench/e2e.py [--runs 3] [--prompt-tokens 6000] [--dtype bfloat16] [--json]
+    .venv/bin/python bench/e2e.py [--runs 3] [--prompt-tokens 6000] [--dtype auto] [--json]
 
 Every measurement is a fresh engine process (offline ``LLM``; a restart is
 the next process), with a short warm-up request before the timed one so that
@@ -52,6 +52,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.common import emit  # noqa: E402
+from kvharbor.demo.dtype import choose_dtype  # noqa: E402
 from kvharbor.demo.model import build_tiny_model  # noqa: E402
 
 MODEL = {"hidden": 1024, "layers": 8, "heads": 16, "kv_heads": 4, "head_dim": 64, "intermediate": 2816}
@@ -218,7 +219,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3, help="rounds of every setup (default: %(default)s)")
     parser.add_argument("--prompt-tokens", type=int, default=6000)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float32"],
+        help="auto: bfloat16 where the CPU computes it natively, else float32 (default: %(default)s)",
+    )
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/kvharbor-bench-e2e"))
     parser.add_argument("--json", action="store_true", help="end with one JSON line")
     parser.add_argument("--engine", help=argparse.SUPPRESS)
@@ -227,6 +233,10 @@ def main() -> None:
         engine_main(args.engine)
         return
 
+    if args.dtype == "auto":
+        choice = choose_dtype()
+        args.dtype = choice.dtype
+        print(f"bench: {args.dtype}: {choice.reason}", flush=True)
     args.workdir.mkdir(parents=True, exist_ok=True)
     bench = Bench(args.workdir, args.dtype, args.prompt_tokens)
     raw: dict[str, list[dict[str, Any]]] = {setup: [] for setup in SETUPS}

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import yaml
 
+from kvharbor.demo.dtype import choose_dtype
 from kvharbor.demo.model import build_tiny_model
 
 EXIT_OK = 0
@@ -116,7 +117,9 @@ def run_demo(workdir: Path, prompt_tokens: int = 3000, say: Callable[[str], None
     env = server_env(config, workdir)
     # --shutdown-timeout: a graceful stop lets the workers finish their last saves; with
     # vLLM's default (0 s) the engine and its children are killed at once, writes in flight too.
-    args = ["--dtype", "bfloat16", "--max-model-len", "8192", "--enforce-eager", "--shutdown-timeout", "30"]
+    dtype = choose_dtype()
+    say(f"      vLLM computes in {dtype.dtype}: {dtype.reason}")
+    args = ["--dtype", dtype.dtype, "--max-model-len", "8192", "--enforce-eager", "--shutdown-timeout", "30"]
     rng = random.Random(2026)
     prompt = [rng.randrange(4, 4096) for _ in range(prompt_tokens)]
     warmup = [rng.randrange(4, 4096) for _ in range(WARMUP_TOKENS)]
