@@ -88,6 +88,7 @@ class Verifier:
         self.value_bytes = value_bytes
         """The size of each rank's value of a chunk (0: not checked)."""
         self._jobs: queue.SimpleQueue[Verification | None] = queue.SimpleQueue()
+        self._closing = False
         self._thread = threading.Thread(target=self._run, name="kvharbor-verifier", daemon=True)
         self._thread.start()
 
@@ -102,6 +103,9 @@ class Verifier:
         return job
 
     def close(self) -> None:
+        """Stop: the read-back under way ends after its current request (bounded by
+        ``gateway.request_timeout_ms``); those still queued are not started."""
+        self._closing = True
         self._jobs.put(None)
         self._thread.join()
         self.link.close()
@@ -117,8 +121,8 @@ class Verifier:
         ranks = len(self.fingerprints)
         wanted = job.end - job.first
         for start in range(0, wanted, CHUNKS_PER_VERIFY):
-            if job.settled:
-                return  # Past its deadline: nobody waits for the rest.
+            if job.settled or self._closing:
+                return  # Past its deadline, or shutting down: nobody waits for the rest.
             part = job.items[start : min(start + CHUNKS_PER_VERIFY, wanted)]
             intact = self.link.verify([item for chunk in part for item in chunk], self.value_bytes) // ranks
             job.verified = start + intact

@@ -95,6 +95,8 @@ class KVHarborStats(KVConnectorStats):
             "lookups": int(d["lookups"]),
             "hit_chunks": int(d["hit_chunks"]),
             "lookup_chunks": int(d["lookup_chunks"]),
+            "verified_chunks": int(d["verified_chunks"]),
+            "unverified_chunks": int(d["unverified_chunks"]),
             "loaded_chunks": int(d["loaded_chunks"]),
             "loaded_MiB": round(d["loaded_bytes"] / 2**20, 1),
             "load_ms_avg": round(1000 * d["load_s"] / d["loads"], 2) if d["loads"] else 0.0,
