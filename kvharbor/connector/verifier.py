@@ -11,7 +11,7 @@ them), and only the intact leading ones are promised.
 
 The read-back runs on its own thread and gateway connection: the scheduler
 keeps scheduling other requests meanwhile and asks again each step
-(`Verification.settled`). It is bounded: past its deadline, what is verified by
+(`Verification.settle`). It is bounded: past its deadline, what is verified by
 then is promised and the rest is recomputed.
 
 A chunk that fails ends the verified prefix, and the chunks behind it are
@@ -127,7 +127,8 @@ class Verifier:
             intact = self.link.verify([item for chunk in part for item in chunk], self.value_bytes) // ranks
             job.verified = start + intact
             if intact < len(part):
-                self._drop_behind(job)
+                if not self.link.is_off:  # Off: nothing was read (the link said why), nothing failed.
+                    self._drop_behind(job)
                 return
 
     def _drop_behind(self, job: Verification) -> None:

@@ -145,8 +145,9 @@ class SchedulerSide:
         state.resident_chunks = resident
         # Chunks vLLM holds itself are not loaded: reading them back would be wasted.
         first = max(resident, num_computed_tokens // size)
-        end = -(-self._hit_end(hits, num_tokens) // size)
-        if end <= first or not self._worth_loading(req_id, num_computed_tokens, end * size):
+        hit_end = self._hit_end(hits, num_tokens)
+        end = -(-hit_end // size)  # The chunks a load of them would touch.
+        if end <= first or not self._worth_loading(req_id, num_computed_tokens, hit_end):
             self.counters.hit_chunks += hits
             return hits
         wait_s = self.config.engine.verify_wait_ms / 1000
