@@ -143,17 +143,18 @@ class CacheLink:
         self.counters.hit_chunks += found.hits
         return found
 
-    def verify(self, items: Sequence[tuple[bytes, bytes]], value_bytes: int = 0) -> int:
+    def verify(self, items: Sequence[tuple[bytes, bytes]], value_bytes: int = 0) -> int | None:
         """How many leading (fingerprint, key) items are stored intact, read back in full
-        (`GatewayClient.verify`); 0 when the cache is off or faulty."""
+        (`GatewayClient.verify`); None when there is no answer (the cache is off or faulty,
+        or the gateway refused the request): nothing was found damaged then."""
         client = self._get_client()
-        if client is None or not items:
-            return 0
+        if client is None:
+            return None
         try:
             return client.verify(items, value_bytes)
         except GatewayError as err:
             self._failed(err)
-            return 0
+            return None
 
     def drop(self, keys: Sequence[bytes]) -> None:
         """Remove ``keys`` from every tier; nothing when the cache is off or faulty."""

@@ -124,11 +124,13 @@ class Verifier:
             if job.settled or self._closing:
                 return  # Past its deadline, or shutting down: nobody waits for the rest.
             part = job.items[start : min(start + CHUNKS_PER_VERIFY, wanted)]
-            intact = self.link.verify([item for chunk in part for item in chunk], self.value_bytes) // ranks
+            answer = self.link.verify([item for chunk in part for item in chunk], self.value_bytes)
+            if answer is None:
+                return  # No answer (the link said why): what is verified so far is all there is.
+            intact = answer // ranks
             job.verified = start + intact
             if intact < len(part):
-                if not self.link.is_off:  # Off: nothing was read (the link said why), nothing failed.
-                    self._drop_behind(job)
+                self._drop_behind(job)
                 return
 
     def _drop_behind(self, job: Verification) -> None:
