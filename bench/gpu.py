@@ -143,13 +143,16 @@ def kv_tensors(blocks: int) -> list[Any]:
 def bench_raw(args: argparse.Namespace) -> None:
     import torch
 
-    from kvharbor.connector.vllm.gpu import GpuPages, PinnedMapping, cuda_host_register
+    from kvharbor.config import EngineSection
+    from kvharbor.connector.vllm.device_copy import DeviceCopy
+    from kvharbor.connector.vllm.pinning import PinnedMapping, cuda_host_register
     from kvharbor.gateway.shm import Segment
 
     chunks = args.chunks
     blocks = 2 * chunks * PER_CHUNK + 64
     tensors = kv_tensors(blocks)
-    pages = GpuPages(tensors, blocks, PER_CHUNK)
+    engine = EngineSection()
+    pages = DeviceCopy(tensors, blocks, PER_CHUNK, engine.load_batch_bytes, engine.save_staging_bytes_max)
     size = pages.chunk_bytes
     total = chunks * size
     perm = torch.randperm(blocks - 1)[: 2 * chunks * PER_CHUNK].add_(1).tolist()
@@ -168,21 +171,21 @@ def bench_raw(args: argparse.Namespace) -> None:
         def offload() -> None:
             held = None
             for g in range(0, chunks, group):  # gather group g while group g-1 crosses PCIe
-                save = pages.open_save(src[g : g + group])
+                save = pages.open_save(src[g : g + group], engine.save_staging_wait_ms / 1000)
                 assert save is not None
                 for layer in range(LAYERS):
-                    pages.gather_layer(save, layer)
-                pages.close_save(save)
+                    save.gather_layer(layer)
+                save.close()
                 for c in range(save.chunks):
-                    pages.stage_save(save, c, pin, views[g + c])
-                wait = pages.flush_save(save, pin)
+                    save.stage(c, pin, views[g + c])
+                wait = save.flush(pin)
                 if held is not None:
                     held[0]()
-                    pages.release_save(held[1])
+                    held[1].release()
                 held = (wait, save)
             if held is not None:
                 held[0]()
-                pages.release_save(held[1])
+                held[1].release()
 
         def restore() -> None:
             held = None
@@ -273,14 +276,18 @@ def gateway_config(socket_dir: Path, tiers: list[dict[str, Any]], ring_mb: int) 
 def bench_gateway(args: argparse.Namespace) -> None:
     import torch
 
+    from kvharbor.config import EngineSection
     from kvharbor.connector.link import CacheLink, RankSwitch
-    from kvharbor.connector.vllm.gpu import GpuPages, GpuWorkerPath, cuda_host_register
+    from kvharbor.connector.vllm.datapath import DataPath
+    from kvharbor.connector.vllm.device_copy import DeviceCopy
+    from kvharbor.connector.vllm.pinning import cuda_host_register
     from kvharbor.gateway.client import GatewayClient
 
     chunks = args.chunks
     blocks = 2 * chunks * PER_CHUNK + 64
     tensors = kv_tensors(blocks)
-    pages = GpuPages(tensors, blocks, PER_CHUNK)
+    engine = EngineSection()  # The data path's defaults: what an engine runs with.
+    pages = DeviceCopy(tensors, blocks, PER_CHUNK, engine.load_batch_bytes, engine.save_staging_bytes_max)
     size = pages.chunk_bytes
     work = Path(f"/tmp/kvh-bench-gw-{os.getpid()}")
     work.mkdir(parents=True, exist_ok=True)
@@ -299,11 +306,11 @@ def bench_gateway(args: argparse.Namespace) -> None:
     )
     register = None if DEVICE == "cpu" else cuda_host_register
     names = [str(i) for i in range(LAYERS)]
-    path = GpuWorkerPath(pages, names, load_link, save_link, 0, b"B" * 16, count, register=register)
+    path = DataPath(pages, names, load_link, save_link, 0, b"B" * 16, count, engine, register=register)
     result: dict[str, Any] = {"machine": machine(), "chunks": chunks, "bytes": chunks * size, "ring_mb": args.ring_mb}
     try:
         started = time.perf_counter()
-        assert path.pin(), "pinning failed"
+        assert path.map(), "pinning failed"
         result["pin_both_mappings_s"] = round(time.perf_counter() - started, 3)
         perm = torch.randperm(blocks - 1)[: 2 * chunks * PER_CHUNK].add_(1).tolist()
         keys = [os.urandom(16) for _ in range(chunks)]
@@ -335,7 +342,7 @@ def bench_gateway(args: argparse.Namespace) -> None:
             sync()
             t0 = time.perf_counter()
             restored = path.load(transfer)
-            path.pages.wait_loads()
+            path.copy.wait_loads()
             sync()
             restores.append(time.perf_counter() - t0)
             assert restored == chunks * PER_CHUNK, restored

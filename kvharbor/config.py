@@ -12,13 +12,18 @@ dotted path) and the expected form; nothing starts on a bad config.
 
 from __future__ import annotations
 
+import grp
+import hashlib
+import json
 import os
+import pwd
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 ENV_CONFIG = "KVHARBOR_CONFIG"
 ENV_OVERRIDE_PREFIX = "KVHARBOR__"
@@ -48,11 +53,33 @@ class EngineSection(_Section):
     the engine is told it has them; a request waits at most this long (other requests are
     scheduled meanwhile). Past it, the chunks not read back by then are recomputed, not
     promised. 0: only chunks in RAM are promised."""
+    # The worker's data path (`connector.vllm.datapath`); none of these changes what is stored.
+    load_batch_mb: int = Field(256, gt=0, le=4096, description="MiB asked of the gateway per load request")
+    """Also the size of each of the two device staging slots a GPU's loads pass through (one is
+    copied in while the other is scattered): 256 MiB keeps the copy engines busy on the H200."""
+    save_staging_mb_max: int = Field(4096, gt=0, description="GPU memory saves waiting for their copy out may hold")
+    """Past it a step waits up to ``save_staging_wait_ms`` for room (at least one chunk is always allowed)."""
+    save_staging_wait_ms: int = Field(5000, ge=0, description="how long a step waits for save staging room")
+    """After it the step's saves are skipped (future misses), never the step."""
+    prefill_sample_stall_ms_max: float = Field(5.0, ge=0, description="longest staging wait of a timed step")
+    """A step that waited longer for save staging is not a sample of the prefill rate."""
+    save_queue_steps_max: int = Field(64, gt=0, description="steps whose saves may wait for the storage at once")
+    """Past it a step's saves are dropped (future misses), never the step."""
+
+    @property
+    def load_batch_bytes(self) -> int:
+        return self.load_batch_mb * MIB
+
+    @property
+    def save_staging_bytes_max(self) -> int:
+        return self.save_staging_mb_max * MIB
 
 
 def default_runtime_dir() -> Path:
-    base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
-    return Path(base) / "kvharbor"
+    """$XDG_RUNTIME_DIR/kvharbor, else /tmp/kvharbor-<uid>: a user's own either way, since a
+    gateway is owner-only by default (``gateway.access``) and the directory is made 0700."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    return Path(base) / "kvharbor" if base else Path("/tmp") / f"kvharbor-{os.geteuid()}"
 
 
 def default_cache_dir() -> Path:
@@ -60,11 +87,72 @@ def default_cache_dir() -> Path:
     return Path(base) / "kvharbor"
 
 
+DERIVED = "derived"
+"""The default of ``gateway.socket`` and ``gateway.shm_name``: a name of the config's own,
+derived from its `ConfigDigest` (see `gateway_address`)."""
+
+
+def _account_id(name: str | int, kind: Literal["user", "group"]) -> int:
+    """A uid or gid, from its name on this host or as given; ValueError names what is unknown."""
+    if isinstance(name, int):
+        if name < 0:
+            raise ValueError(f"{kind} id {name} is negative")
+        return name
+    try:
+        return pwd.getpwnam(name).pw_uid if kind == "user" else grp.getgrnam(name).gr_gid
+    except KeyError:
+        raise ValueError(f"no {kind} named {name!r} on this host") from None
+
+
+class AccessSection(_Section):
+    """Who besides the gateway's own user may connect to it (``gateway.access``).
+
+    Owner-only by default. A group (name or gid) and users (names or uids) widen
+    it: they are granted the socket, the shared memory and the files beside the
+    socket, and the gateway admits their processes (checked with SO_PEERCRED).
+    Names must exist on this host when the config is loaded.
+    """
+
+    group: str | int | None = None
+    """Processes whose primary or supplementary groups include this one may connect."""
+    users: list[str | int] = Field(default_factory=list, max_length=32)
+    """These users may connect (granted by POSIX ACL entries: the filesystems must support them)."""
+
+    @field_validator("group")
+    @classmethod
+    def _known_group(cls, value: str | int | None) -> str | int | None:
+        if value is not None:
+            _account_id(value, "group")
+        return value
+
+    @field_validator("users")
+    @classmethod
+    def _known_users(cls, value: list[str | int]) -> list[str | int]:
+        for user in value:
+            _account_id(user, "user")
+        return value
+
+    @property
+    def gid(self) -> int | None:
+        return None if self.group is None else _account_id(self.group, "group")
+
+    @property
+    def uids(self) -> frozenset[int]:
+        return frozenset(_account_id(user, "user") for user in self.users)
+
+    @property
+    def widened(self) -> bool:
+        return self.group is not None or bool(self.users)
+
+
 class GatewaySection(_Section):
     mode: Literal["embedded", "service"] = "embedded"
     """embedded: the first client starts the gateway; service: run ``kvharbor gateway``."""
-    socket: str = Field(default_factory=lambda: str(default_runtime_dir() / "gateway.sock"))
-    shm_name: str = Field("kvharbor", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    socket: str = DERIVED
+    """Where clients find the gateway. ``derived``: a socket of this config's own in the
+    runtime directory, so engines of different storage configs never share a gateway."""
+    shm_name: str = Field(DERIVED, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    """Prefix of the shared-memory segment's name; ``derived``: one of this config's own."""
     shm_dir: str = "/dev/shm"
     """Where the shared-memory segment is created; a tmpfs both sides can see."""
     ring_mb: int = Field(1024, gt=0, description="shared-memory ring size in MiB")
@@ -83,6 +171,15 @@ class GatewaySection(_Section):
     """A GPU writes values in place by DMA at tens of GB/s; one thread checksums ~10."""
     message_bytes_max: int = Field(1 * MIB, ge=128 * 1024, description="largest control message in bytes")
     """At least 128 KiB: a full batch (4096 keys with their sizes) must fit in one message."""
+    access: AccessSection = AccessSection()
+    _config_digest: ConfigDigest | None = PrivateAttr(None)
+
+    @property
+    def config_digest(self) -> ConfigDigest:
+        """The digest of the config this section belongs to, sent in the HELLO: the gateway
+        serves only clients whose storage and card sections are its own. Set when the
+        whole `Config` is validated; a section built alone has an empty one (refused)."""
+        return self._config_digest or ConfigDigest(())
 
 
 class TierSection(_Section):
@@ -110,9 +207,36 @@ class FileTierSection(TierSection):
     fanout_levels: int = Field(2, ge=0, le=3)
 
 
+CARD_DEVICE_FORMS = "sim, sim:PARAMS.yaml, file:PATH or a device path (/dev/ngXnY, /dev/nvmeXnY)"
+
+
+class NvmeTierSection(TierSection):
+    """A card: simulated (``sim``, ``sim:PARAMS.yaml``), block mode on a file
+    (``file:PATH``) or an NVMe device path; the `card` section holds its settings."""
+
+    type: Literal["nvme"] = "nvme"
+    device: str = Field(min_length=1)
+    capacity_gb: float | None = Field(None, gt=0)  # type: ignore[assignment]
+    """Optional: the device's capacity by default; a larger value is refused when the tier opens."""
+
+    @field_validator("device")
+    @classmethod
+    def _device_form(cls, value: str) -> str:
+        if value == "sim" or value.startswith(("sim:", "file:", "/dev/")):
+            return value
+        raise ValueError(f"expected {CARD_DEVICE_FORMS}")
+
+    @property
+    def capacity_bytes(self) -> int:
+        if self.capacity_gb is None:
+            raise ValueError(f"tier '{self.name}': capacity_gb is not set; the device's capacity applies")
+        return int(self.capacity_gb * GIB)
+
+
 TIER_TYPES: dict[str, type[TierSection]] = {
     "ram": RamTierSection,
     "file": FileTierSection,
+    "nvme": NvmeTierSection,
 }
 """Tier type name -> its config model. Drivers register here with the HAL registry."""
 
@@ -120,7 +244,13 @@ TIER_TYPES: dict[str, type[TierSection]] = {
 class CircuitBreakerSection(_Section):
     failure_ratio: float = Field(0.2, gt=0, le=1)
     window: int = Field(50, gt=0, description="operations per judgement")
-    cooldown_s: float = Field(30.0, gt=0)
+    cooldown_s: float = Field(30.0, gt=0, description="how long an open breaker skips its tier before a trial")
+    probe_backoff_factor: float = Field(2.0, ge=1, description="each failed trial multiplies the wait by this")
+    probe_interval_max_s: float = Field(300.0, gt=0, description="the longest wait between trials")
+    """The first trial comes ``cooldown_s`` after the breaker opens; each failed one waits
+    ``probe_backoff_factor`` times longer, up to ``probe_interval_max_s``; success closes
+    the breaker and resets the wait to ``cooldown_s``. A card whose target stops
+    answering opens its breaker at once (no window to fill)."""
 
 
 class BackpressureSection(_Section):
@@ -170,12 +300,20 @@ class StorageSection(_Section):
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"tier names must be unique; repeated: {', '.join(duplicates)}")
+        cards = [t.name for t in typed if isinstance(t, NvmeTierSection)]
+        if len(cards) > 1:
+            # One `card` section configures the card; several cards would need per-tier settings.
+            raise ValueError(f"at most one nvme (card) tier; found {len(cards)}: {', '.join(cards)}")
         return typed
 
 
 class CardSection(_Section):
+    """Settings of the nvme (card) tier; applied to its device when the tier opens."""
+
     key_eviction: bool = True
+    """The card evicts its oldest keys to make room; off: a full card refuses writes (event 3002)."""
     fragment_bytes: int = Field(2 * MIB, ge=4096, description="largest value the card stores")
+    """Values above it are stored in fragments; it enters the layout of what the card tier stores."""
 
 
 class DashboardSection(_Section):
@@ -194,13 +332,93 @@ class TelemetrySection(_Section):
     prometheus: PrometheusSection = PrometheusSection()
 
 
+SHARED_SECTIONS = ("storage", "card")
+"""The sections every engine of one gateway must have in common: what the gateway stores
+and where. Not ``engine``: its layout, namespace and chunk size are in every key, so
+engines that differ there share a gateway safely. Not ``gateway``: it says how to reach
+the gateway and how a client waits (timeouts), and the gateway's own tuning (ring size,
+threads, access) changes no stored byte; a service gateway's file and its engines' files
+commonly differ there."""
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigDigest:
+    """A digest per shared section (`SHARED_SECTIONS`) of one config: what an engine and
+    the gateway it attaches to must agree on."""
+
+    sections: tuple[tuple[str, str], ...]
+    """(section name, SHA-256 of its canonical JSON, hex), in `SHARED_SECTIONS` order."""
+
+    def differing(self, other: ConfigDigest) -> list[str]:
+        """The names of the sections whose digests differ (a section one side lacks differs)."""
+        mine, theirs = dict(self.sections), dict(other.sections)
+        return [name for name in sorted(mine.keys() | theirs.keys()) if mine.get(name) != theirs.get(name)]
+
+    @property
+    def short(self) -> str:
+        """12 hex digits of all sections together: the derived names' suffix."""
+        whole = hashlib.sha256(";".join(f"{name}={digest}" for name, digest in self.sections).encode())
+        return whole.hexdigest()[:12]
+
+
+def config_digest(config: Config) -> ConfigDigest:
+    """The `ConfigDigest` of ``config``: defaults count as written, so a section spelt out
+    with its default values digests as the same section omitted."""
+    sections = []
+    for name in SHARED_SECTIONS:
+        # serialize_as_any: a tier is dumped with its own type's fields (a file tier's path).
+        document = getattr(config, name).model_dump(mode="json", serialize_as_any=True)
+        canonical = json.dumps(document, sort_keys=True, separators=(",", ":"))
+        sections.append((name, hashlib.sha256(canonical.encode()).hexdigest()))
+    return ConfigDigest(tuple(sections))
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayAddress:
+    socket: Path
+    shm_name: str
+    config_digest: ConfigDigest
+
+
+def gateway_address(config: Config) -> GatewayAddress:
+    """Where the gateway of ``config`` is: its socket and shared-memory name, and the
+    digest it must serve. Engines, ``kvharbor gateway`` and ``kvharbor status --config``
+    all find a config's gateway through this. A ``derived`` socket is
+    ``<runtime dir>/gateway-<digest>.sock`` ($XDG_RUNTIME_DIR/kvharbor, else
+    /tmp/kvharbor-<uid>) and a derived shm_name ``kvharbor-<digest>``, so each storage config
+    has a gateway of its own; an explicit one is used as written."""
+    gateway = config.gateway
+    return GatewayAddress(Path(gateway.socket), gateway.shm_name, gateway.config_digest)
+
+
+def _derive_gateway(section: GatewaySection, digest: ConfigDigest) -> GatewaySection:
+    resolved = {}
+    if section.socket == DERIVED:
+        resolved["socket"] = str(default_runtime_dir() / f"gateway-{digest.short}.sock")
+    if section.shm_name == DERIVED:
+        resolved["shm_name"] = f"kvharbor-{digest.short}"
+    derived = section.model_copy(update=resolved)
+    derived._config_digest = digest
+    return derived
+
+
 class Config(_Section):
+    """The whole config. Validation resolves ``derived`` gateway names (`gateway_address`):
+    build configs with `validate_config`/`load_config`, not ``model_copy(update=...)``,
+    which would keep the old names and digest."""
+
     engine: EngineSection = EngineSection()
     gateway: GatewaySection = GatewaySection()
     storage: StorageSection = StorageSection()
     card: CardSection = CardSection()
     dashboard: DashboardSection = DashboardSection()
     telemetry: TelemetrySection = TelemetrySection()
+
+    @model_validator(mode="after")
+    def _resolve_gateway(self) -> Config:
+        # A frozen model: the validated section is replaced once, before anyone sees it.
+        object.__setattr__(self, "gateway", _derive_gateway(self.gateway, config_digest(self)))
+        return self
 
 
 def _brief(err: ValidationError) -> str:

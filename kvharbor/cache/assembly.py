@@ -15,11 +15,11 @@ from collections.abc import Mapping
 from kvharbor.cache.breaker import BreakerSettings, CircuitBreaker
 from kvharbor.cache.format import HEADER_BYTES, Codec, CorruptObject, decode, encode
 from kvharbor.cache.index import MemoryIndex, TierIndex
-from kvharbor.cache.keys import ChunkKey, LayoutFingerprint
+from kvharbor.cache.keys import ChunkKey, LayoutFingerprint, card_layout
 from kvharbor.cache.store import TieredStore
 from kvharbor.cache.tier import Tier
-from kvharbor.config import MIB, Config, TierSection
-from kvharbor.hal.base import Device, DeviceError, PersistentDevice
+from kvharbor.config import MIB, Config, NvmeTierSection, TierSection
+from kvharbor.hal.base import CardDevice, Device, DeviceError, PersistentDevice
 from kvharbor.hal.registry import open_device
 from kvharbor.telemetry.log import get_logger
 
@@ -72,13 +72,38 @@ def device_limit(section: TierSection, config: Config) -> int:
     return value_max + HEADER_BYTES
 
 
+def tier_capacity(section: TierSection, device: Device) -> int:
+    """The tier's budget in bytes: its ``capacity_gb``, or for a card tier without one the
+    device's capacity; raises ValueError for a card tier asking more than its device has."""
+    if not isinstance(section, NvmeTierSection):
+        return section.capacity_bytes
+    device_bytes = device.usage().capacity_bytes
+    if section.capacity_gb is None:
+        return device_bytes
+    if section.capacity_bytes > device_bytes:
+        raise ValueError(
+            f"tier '{section.name}': capacity_gb {section.capacity_gb:g} exceeds the device's capacity "
+            f"({device_bytes / 2**30:g} GiB); leave capacity_gb out to use all of it"
+        )
+    return section.capacity_bytes
+
+
 def open_tier(section: TierSection, config: Config, device: Device | None = None) -> Tier:
-    """Open one configured tier; raises ValueError, DeviceError or ProbeFailed."""
+    """Open one configured tier; raises ValueError, DeviceError or ProbeFailed.
+
+    A card device gets the `card` section's settings first: key eviction as
+    configured, and its fragment size (its largest object) in the layout of
+    everything the tier stores.
+    """
     storage = config.storage
     if device is None:
         device = open_device(section, device_limit(section, config))
     codec = Codec.from_name(section.codec)
+    is_card = isinstance(device, CardDevice)
     try:
+        capacity_bytes = tier_capacity(section, device)
+        if isinstance(device, CardDevice):
+            device.set_key_eviction(config.card.key_eviction)
         if storage.probe:
             probe_device(device, codec)
         index = open_index(device, section.name)
@@ -86,9 +111,22 @@ def open_tier(section: TierSection, config: Config, device: Device | None = None
         device.close()
         raise
     cb = storage.backpressure.circuit_breaker
-    breaker = CircuitBreaker(BreakerSettings(cb.failure_ratio, cb.window, cb.cooldown_s))
+    breaker = CircuitBreaker(
+        BreakerSettings(cb.failure_ratio, cb.window, cb.cooldown_s, cb.probe_backoff_factor, cb.probe_interval_max_s)
+    )
     reopen = (lambda: open_index(device, section.name)) if isinstance(device, PersistentDevice) else None
-    return Tier(section.name, device, index, section.capacity_bytes, breaker, codec, section.type, reopen)
+    return Tier(
+        section.name,
+        device,
+        index,
+        capacity_bytes,
+        breaker,
+        codec,
+        section.type,
+        reopen,
+        layout=card_layout(device.max_value_bytes) if is_card else b"",
+        device_evicts=is_card and config.card.key_eviction,
+    )
 
 
 def open_store(config: Config, start_clean: bool = False, devices: Mapping[str, Device] | None = None) -> TieredStore:

@@ -3,9 +3,20 @@
 A tier whose operations fail more often than ``failure_ratio`` over the last
 ``window`` operations is *open*: it is skipped (its lookups and gets are
 misses, its puts are dropped) for ``cooldown_s``. Then one trial operation is
-let through (*half-open*): success closes the breaker, failure opens it again.
+let through (*half-open*): success closes the breaker, failure opens it again
+for ``probe_backoff_factor`` times longer than the last time, up to
+``probe_interval_max_s`` (a target that restarts for minutes is probed a few
+times, not every ``cooldown_s``). A device that says it is gone (`trip`) opens
+the breaker at once: there is nothing to learn from a window of failures.
 Skipping a sick tier is what keeps a dying disk from adding its timeouts to
 every request's time to first token.
+
+Every operation runs inside an `Attempt` (``with breaker.attempt() as attempt``).
+The half-open trial belongs to one attempt; when that attempt ends without an
+outcome (a miss found before storage was asked, a value the tier cannot take,
+an early return of any kind), leaving the ``with`` hands the trial back. So no
+path can leave the breaker half-open with a trial that never reports, which
+would skip the tier until the process restarts.
 """
 
 from __future__ import annotations
@@ -16,6 +27,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import TracebackType
 
 
 class BreakerState(enum.Enum):
@@ -30,9 +42,14 @@ class BreakerSettings:
     window: int = 50
     """Operations judged together; also the fewest seen before the breaker may open."""
     cooldown_s: float = 30.0
+    probe_backoff_factor: float = 2.0
+    probe_interval_max_s: float = 300.0
 
     def __post_init__(self) -> None:
-        assert 0 < self.failure_ratio <= 1 and self.window > 0 and self.cooldown_s > 0, self
+        if not (0 < self.failure_ratio <= 1 and self.window > 0 and self.cooldown_s > 0):
+            raise ValueError(f"breaker settings out of range: {self}")
+        if not (self.probe_backoff_factor >= 1 and self.probe_interval_max_s > 0):
+            raise ValueError(f"breaker probe settings out of range: {self}")
 
 
 class CircuitBreaker:
@@ -43,7 +60,11 @@ class CircuitBreaker:
         self._failures = 0
         self._state = BreakerState.CLOSED
         self._opened_at = 0.0
+        self._wait_s = settings.cooldown_s
+        """How long the breaker stays open this time: grows with each failed trial."""
         self._trial_running = False
+        self._trials = 0
+        """Trials handed out so far; an attempt knows its trial by this number."""
         self.opened_total = 0
         self._lock = threading.Lock()
 
@@ -53,16 +74,22 @@ class CircuitBreaker:
             self._advance()
             return self._state
 
-    def allow(self) -> bool:
-        """May an operation run now? In half-open, only one trial at a time."""
+    def attempt(self) -> Attempt:
+        """One operation's permission, to hold in a ``with`` for the operation's length.
+
+        Closed: allowed. Half-open: the first attempt is allowed as the trial,
+        others are not until it ends. Open: not allowed. See the module docstring
+        for what leaving the ``with`` does.
+        """
         with self._lock:
             self._advance()
             if self._state is BreakerState.CLOSED:
-                return True
+                return Attempt(self, allowed=True, trial=0)
             if self._state is BreakerState.HALF_OPEN and not self._trial_running:
                 self._trial_running = True
-                return True
-            return False
+                self._trials += 1
+                return Attempt(self, allowed=True, trial=self._trials)
+            return Attempt(self, allowed=False, trial=0)
 
     def record(self, ok: bool) -> BreakerState:
         """Count one finished operation; returns the state after it."""
@@ -87,23 +114,38 @@ class CircuitBreaker:
                 self._open()
             return self._state
 
-    def cancel(self) -> None:
-        """Forget an allowed operation that never reached storage: nothing to judge.
-
-        In half-open this hands the one trial back, so that the next operation
-        may be the trial; without it the breaker would wait forever for an
-        outcome that never comes.
-        """
+    @property
+    def wait_s(self) -> float:
+        """How long the breaker stays open (this time, or next time it opens)."""
         with self._lock:
-            self._trial_running = False
+            return self._wait_s
+
+    def trip(self) -> BreakerState:
+        """The device says it is gone: open now (a failed trial, if half-open); returns the state."""
+        with self._lock:
+            if self._state is not BreakerState.OPEN:
+                self._trial_running = False
+                self._open()
+            return self._state
+
+    def _end(self, trial: int) -> None:
+        """An attempt ended: if it held the trial and nothing reported since, hand it back."""
+        with self._lock:
+            if trial and trial == self._trials and self._state is BreakerState.HALF_OPEN:
+                self._trial_running = False
 
     def _advance(self) -> None:
-        cooled = self._clock() - self._opened_at >= self.settings.cooldown_s
+        cooled = self._clock() - self._opened_at >= self._wait_s
         if self._state is BreakerState.OPEN and cooled:
             self._state = BreakerState.HALF_OPEN
             self._trial_running = False
 
     def _open(self) -> None:
+        settings = self.settings
+        if self._state is BreakerState.HALF_OPEN:  # A failed trial: wait longer before the next.
+            self._wait_s = min(self._wait_s * settings.probe_backoff_factor, settings.probe_interval_max_s)
+        else:
+            self._wait_s = min(settings.cooldown_s, settings.probe_interval_max_s)
         self._state = BreakerState.OPEN
         self._opened_at = self._clock()
         self.opened_total += 1
@@ -112,3 +154,30 @@ class CircuitBreaker:
         self._state = BreakerState.CLOSED
         self._outcomes.clear()
         self._failures = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """One operation under a breaker (see `CircuitBreaker.attempt`).
+
+    The operation's outcome is reported with `CircuitBreaker.record`; an attempt
+    that ends without one, by any path, gives its trial back on leaving the
+    ``with`` (or on `end`, for an attempt that spans two calls, like a
+    reservation that is completed or abandoned later).
+    """
+
+    breaker: CircuitBreaker
+    allowed: bool
+    trial: int
+    """The half-open trial this attempt holds; 0 when it holds none."""
+
+    def end(self) -> None:
+        self.breaker._end(self.trial)
+
+    def __enter__(self) -> Attempt:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        self.end()

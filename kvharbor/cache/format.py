@@ -70,6 +70,11 @@ class CorruptObject(Exception):
     """Bytes that are not a valid object for the expected key and layout."""
 
 
+class ForeignLayout(CorruptObject):
+    """An intact object of the expected key written under another layout: stale, not
+    damaged (a card tier's fragment size changed since it was stored)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Header:
     version: int
@@ -304,7 +309,7 @@ def check_header(data: memoryview, key: bytes, fingerprint: bytes, index: int, f
     if header.key != key:
         raise CorruptObject(f"object holds key {header.key.hex()}, expected {bytes(key).hex()}")
     if header.fingerprint != fingerprint:
-        raise CorruptObject("object was written for another layout (fingerprint mismatch)")
+        raise ForeignLayout("object was written for another layout (fingerprint mismatch)")
     if header.fragment_index != index:
         raise CorruptObject(f"fragment {header.fragment_index} found where {index} belongs")
     if not 1 <= header.fragment_count <= FRAGMENTS_MAX or index >= header.fragment_count:

@@ -48,6 +48,7 @@ _ROOT_PARENT = bytes(KEY_BYTES)
 _PERSON_CHUNK = b"kvharbor.chunk1"
 _PERSON_LAYOUT = b"kvharbor.layout1"
 _PERSON_FRAGMENT = b"kvharbor.frag1"
+_PERSON_TIER_LAYOUT = b"kvharbor.tier1"
 
 TOKEN_ID_MAX = 2**32 - 1
 """Token ids are hashed as little-endian uint32; larger ids are refused."""
@@ -108,7 +109,9 @@ class LayoutFingerprint:
     pp_rank: int = 0
     key_namespace: str = "default"
     fragment_bytes: int = 0
-    """The device fragment size in bytes; 0 when values are never split."""
+    """The device fragment size in bytes; 0 when values are never split. Engines leave it
+    0: a card tier folds its own fragment size into the fingerprints of what it stores
+    (`tier_fingerprint`), so that a RAM or file hit survives a change of the card's."""
     format_version: int = FORMAT_VERSION
     extra: tuple[tuple[str, str], ...] = field(default=())
     """Engine-specific fields (e.g. block size) as sorted (name, value) pairs."""
@@ -236,3 +239,18 @@ def max_hit_tokens(num_tokens: int, chunk_size: int) -> int:
     """The most tokens a prompt of ``num_tokens`` can hit: floor(n / c) * c."""
     assert chunk_size > 0
     return (max(num_tokens, 0) // chunk_size) * chunk_size
+
+
+def card_layout(fragment_bytes: int) -> bytes:
+    """What a card tier adds to the layout of what it stores: its fragment size (the
+    largest object it stores, header included). Canonical, like `LayoutFingerprint.canonical`."""
+    if fragment_bytes <= 0:
+        raise ValueError(f"fragment_bytes must be > 0, got {fragment_bytes}")
+    return json.dumps({"card": {"fragment_bytes": fragment_bytes}}, sort_keys=True, separators=(",", ":")).encode()
+
+
+def tier_fingerprint(fingerprint: bytes, tier_layout: bytes) -> bytes:
+    """The fingerprint a tier whose own settings change stored bytes stores objects under:
+    a digest of the engine's ``fingerprint`` and the tier's canonical ``tier_layout``."""
+    check_key(fingerprint)
+    return blake2b(bytes(fingerprint) + tier_layout, digest_size=KEY_BYTES, person=_PERSON_TIER_LAYOUT).digest()

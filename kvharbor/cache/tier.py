@@ -12,13 +12,15 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field, fields
 
-from kvharbor.cache.breaker import BreakerState, CircuitBreaker
+from kvharbor.cache.breaker import Attempt, BreakerState, CircuitBreaker
 from kvharbor.cache.format import (
     HEADER_BYTES,
     Codec,
     CorruptObject,
+    ForeignLayout,
     PayloadChecksum,
     ReadBack,
     check_header,
@@ -28,10 +30,11 @@ from kvharbor.cache.format import (
     verify_part,
 )
 from kvharbor.cache.index import Entry, OverBudget, TierIndex
-from kvharbor.cache.keys import ChunkKey, fragment_key
+from kvharbor.cache.keys import ChunkKey, fragment_key, tier_fingerprint
 from kvharbor.hal.base import (
     Buffer,
     BufferTooSmall,
+    CardDevice,
     Device,
     DeviceCorrupt,
     DeviceError,
@@ -39,6 +42,7 @@ from kvharbor.hal.base import (
     InPlaceWrites,
     SharedSpan,
     SharedSpans,
+    TargetUnreachable,
 )
 from kvharbor.telemetry.log import OnceLog, get_logger
 
@@ -72,6 +76,9 @@ class TierCounters:
     full: int = 0
     skipped: int = 0
     """Operations not attempted because the breaker was open."""
+    stale: int = 0
+    """Objects found written under another layout of this tier (a card's fragment size
+    changed): misses, dropped, not corrupt."""
 
     def snapshot(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -102,6 +109,8 @@ class Reservation:
     span: SharedSpan
     payload: memoryview
     """The value's bytes: the span less the header room before them."""
+    attempt: Attempt
+    """The breaker's attempt this put runs under, ended by `Tier.complete` or `Tier.abandon`."""
 
     @property
     def payload_offset(self) -> int:
@@ -121,6 +130,8 @@ class TierStatus:
     health_detail: str
     breaker: str
     counters: dict[str, int] = field(default_factory=dict)
+    device_statuses: dict[str, int] = field(default_factory=dict)
+    """A card's answers other than success, by status code (misses included)."""
 
 
 class Tier:
@@ -134,7 +145,14 @@ class Tier:
         codec: Codec = Codec.NONE,
         device_type: str = "",
         reopen_index: Callable[[], TierIndex] | None = None,
+        layout: bytes = b"",
+        device_evicts: bool = False,
     ) -> None:
+        """``layout``: this tier's own settings that change the bytes it stores (a card's
+        fragment size, `kvharbor.cache.keys.card_layout`); they enter the fingerprint of
+        every object it stores, so that a change of them makes this tier's objects misses
+        and no other tier's. ``device_evicts``: the device drops keys on its own (a card
+        with key eviction on), so it, not the index, says what is here."""
         assert capacity_bytes > 0, capacity_bytes
         self.name = name
         self.device = device
@@ -147,6 +165,11 @@ class Tier:
         self.counters = TierCounters()
         self._counter_lock = threading.Lock()
         self._once = OnceLog(_log)
+        self.layout = layout
+        self.device_evicts = device_evicts
+        self._stored_fingerprints: dict[bytes, bytes] = {}
+        """Engine fingerprint -> the one this tier stores under (a few layouts per process)."""
+        self._engine_fingerprints: dict[bytes, bytes] = {}
 
     # -- reads -------------------------------------------------------------
 
@@ -176,10 +199,30 @@ class Tier:
         if self.breaker.state is BreakerState.OPEN:
             return [False] * len(keys)
         try:
-            return self.index.contains(keys)
+            present = self.index.contains(keys)
         except DeviceError as err:
             self._index_fault(err)
             return [False] * len(keys)
+        return self._on_device(keys, present) if self.device_evicts else present
+
+    def _on_device(self, keys: Sequence[bytes], present: list[bool]) -> list[bool]:
+        """``present`` less the keys the device evicted on its own, which leave the index."""
+        asked = [key for key, here in zip(keys, present, strict=True) if here]
+        if not asked:
+            return present
+        with self._attempt() as attempt:
+            if not attempt.allowed:
+                return [False] * len(keys)
+            try:
+                kept = self.device.exists(asked)
+            except DeviceError as err:
+                self._fault("exists", err)
+                return [False] * len(keys)
+            self._ok()
+        gone = {key for key, here in zip(asked, kept, strict=True) if not here}
+        if gone:
+            self._remove_from_index(list(gone))
+        return [here and key not in gone for key, here in zip(keys, present, strict=True)]
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Mark ``keys`` used, the last most recently (see `read`'s ``touch``)."""
@@ -200,8 +243,13 @@ class Tier:
         reads it. ``touch=False`` leaves recency to the caller, who can mark a
         whole prefix at once, its head last (see `TieredStore.get_many`).
         """
-        if not self._allow():
-            return None
+        with self._attempt() as attempt:
+            if not attempt.allowed:
+                return None
+            return self._read_verified(key, self._stored_fingerprint(fingerprint), source, touch)
+
+    def _read_verified(self, key: bytes, fingerprint: bytes, source: BufferSource, touch: bool) -> memoryview | None:
+        """`read`'s body, run under the breaker's attempt."""
         self._count(gets=1)
         try:
             value = decode(key, fingerprint, self._read_part_fn(key, source))
@@ -209,7 +257,7 @@ class Tier:
             self._corrupt(key, err)
             return None
         except BufferTooSmall:
-            return None  # Rewritten larger between size and read by another process: a miss.
+            return None  # Rewritten larger between size and read by another process: a miss, no outcome.
         except DeviceError as err:
             self._fault("read", err)
             return None
@@ -233,8 +281,15 @@ class Tier:
         in memory that no client can write (see `_verify_shared`).
         """
         device = self.device
-        if not isinstance(device, SharedSpans) or not self._allow():
+        if not isinstance(device, SharedSpans):
             return None
+        with self._attempt() as attempt:
+            if not attempt.allowed:
+                return None
+            return self._pin_verified(device, key, self._stored_fingerprint(fingerprint), touch)
+
+    def _pin_verified(self, device: SharedSpans, key: bytes, fingerprint: bytes, touch: bool) -> SharedHit | None:
+        """`read_shared`'s body, run under the breaker's attempt."""
         span = device.pin(key)
         if span is None:
             self._remove_from_index([key])
@@ -248,7 +303,7 @@ class Tier:
             return None
         if header.fragment_count != 1 or header.codec is not Codec.NONE:
             device.unpin(span)
-            return None
+            return None  # Served by `read` instead; this was no judgement of the device.
         self._ok()
         if touch:
             self.touch([key])
@@ -265,8 +320,13 @@ class Tier:
         try:
             if self.device.peek(entry.key, head) != HEADER_BYTES:
                 return None
-            fingerprint = parse_header(head).fingerprint
-            value = decode(entry.key, fingerprint, self._read_part_fn(entry.key, new_buffer))
+            stored = parse_header(head).fingerprint
+            # The tiers below store under the engine's fingerprint; one this process
+            # never saw (stored before a restart) cannot be told: not demoted.
+            fingerprint = self._engine_fingerprints.get(stored) if self.layout else stored
+            if fingerprint is None:
+                return None
+            value = decode(entry.key, stored, self._read_part_fn(entry.key, new_buffer))
         except (CorruptObject, DeviceError):
             return None
         return None if value is None else (fingerprint, value)
@@ -289,8 +349,20 @@ class Tier:
         hard limit is the tier budget (RAM) must really have the room the index
         promised, or every put into a full tier would fail.
         """
-        if not self._allow():
-            return False
+        with self._attempt() as attempt:
+            if not attempt.allowed:
+                return False
+            return self._write_encoded(key, self._stored_fingerprint(fingerprint), value, pinned, on_evict)
+
+    def _write_encoded(
+        self,
+        key: bytes,
+        fingerprint: bytes,
+        value: Buffer,
+        pinned: frozenset[bytes],
+        on_evict: Callable[[Sequence[Entry]], None] | None,
+    ) -> bool:
+        """`write`'s body, run under the breaker's attempt."""
         try:
             parts = encode(key, fingerprint, value, self.codec, self.device.max_value_bytes)
         except ValueError as err:
@@ -328,23 +400,27 @@ class Tier:
         device, total = self.device, HEADER_BYTES + nbytes
         if not isinstance(device, InPlaceWrites) or self.codec is not Codec.NONE:
             return None
-        if total > device.max_value_bytes or total > self.capacity_bytes or not self._allow():
+        if total > device.max_value_bytes or total > self.capacity_bytes:
             return None
-        span = device.reserve(total)
-        if span is None:
-            # The device holds about the tier budget: room for a value in flight
-            # comes from the values least recently used, as it would at admission.
-            try:
-                self.drop(self._least_recent(total, pinned))
-            except DeviceError as err:
-                self._index_fault(err)
+        with ExitStack() as ending:
+            attempt = ending.enter_context(self._attempt())
+            if not attempt.allowed:
                 return None
             span = device.reserve(total)
             if span is None:
-                self.breaker.cancel()  # Nothing was tried on the device: no outcome to judge.
-                return None
-        assert span.length == total, (span.length, total)
-        return Reservation(self, bytes(key), bytes(fingerprint), span, device.view(span)[HEADER_BYTES:])
+                # The device holds about the tier budget: room for a value in flight
+                # comes from the values least recently used, as it would at admission.
+                try:
+                    self.drop(self._least_recent(total, pinned))
+                except DeviceError as err:
+                    self._index_fault(err)
+                    return None
+                span = device.reserve(total)
+                if span is None:
+                    return None
+            assert span.length == total, (span.length, total)
+            ending.pop_all()  # The attempt lives on in the reservation, until complete or abandon.
+            return Reservation(self, bytes(key), bytes(fingerprint), span, device.view(span)[HEADER_BYTES:], attempt)
 
     def complete(
         self,
@@ -364,22 +440,24 @@ class Tier:
         device = self.device
         assert reservation.tier is self and isinstance(device, InPlaceWrites)
         key, fingerprint, span = reservation.key, reservation.fingerprint, reservation.span
-        (part,) = encode(key, fingerprint, reservation.payload, Codec.NONE, device.max_value_bytes, value_checksum)
-        entry = Entry(key, part.nbytes, 1)
-        assert entry.nbytes == span.length, (entry.nbytes, span.length)
-        if not self._admit(entry, pinned | {key}, on_evict):
-            device.abandon(span)
-            return False
-        device.view(span)[:HEADER_BYTES] = part.header
-        device.adopt(key, span)
-        return self._stored(entry)
+        with reservation.attempt:
+            stored = self._stored_fingerprint(fingerprint)
+            (part,) = encode(key, stored, reservation.payload, Codec.NONE, device.max_value_bytes, value_checksum)
+            entry = Entry(key, part.nbytes, 1)
+            assert entry.nbytes == span.length, (entry.nbytes, span.length)
+            if not self._admit(entry, pinned | {key}, on_evict):
+                device.abandon(span)
+                return False
+            device.view(span)[:HEADER_BYTES] = part.header
+            device.adopt(key, span)
+            return self._stored(entry)
 
     def abandon(self, reservation: Reservation) -> None:
         """Give back a reservation that will not be completed."""
         device = self.device
         assert reservation.tier is self and isinstance(device, InPlaceWrites)
-        device.abandon(reservation.span)
-        self.breaker.cancel()  # A half-open breaker's trial that never reached an outcome.
+        with reservation.attempt:  # A half-open breaker's trial that never reached an outcome.
+            device.abandon(reservation.span)
 
     def drop(self, victims: Sequence[Entry]) -> None:
         """Delete the bytes of entries the index already let go."""
@@ -425,6 +503,7 @@ class Tier:
             health_detail=health.detail,
             breaker=self.breaker.state.value,
             counters=self.counters.snapshot(),
+            device_statuses=self.device.status_counts() if isinstance(self.device, CardDevice) else {},
         )
 
     def close(self) -> None:
@@ -453,11 +532,12 @@ class Tier:
 
         return read_part
 
-    def _allow(self) -> bool:
-        if self.breaker.allow():
-            return True
-        self._count(skipped=1)
-        return False
+    def _attempt(self) -> Attempt:
+        """The breaker's attempt for one operation; one not allowed is counted as skipped."""
+        attempt = self.breaker.attempt()
+        if not attempt.allowed:
+            self._count(skipped=1)
+        return attempt
 
     def _admit(
         self, entry: Entry, pinned: frozenset[bytes], on_evict: Callable[[Sequence[Entry]], None] | None
@@ -478,11 +558,11 @@ class Tier:
         return True
 
     def _unstorable(self, err: Exception) -> bool:
-        """A value this tier cannot take (too large, too many fragments); always False."""
-        # Nothing reached the device, so there is no outcome to judge; a half-open
-        # breaker gets its one trial back (else it stays half-open with a trial
-        # that never reports, and the tier is skipped for good).
-        self.breaker.cancel()
+        """A value this tier cannot take (too large, too many fragments); always False.
+
+        Nothing reached the device, so there is no outcome to judge: the attempt
+        this runs under hands a half-open breaker's trial back when it ends.
+        """
         self._once.say(f"unstorable:{self.name}", f"tier '{self.name}': {err}; not stored")
         return False
 
@@ -528,10 +608,34 @@ class Tier:
             self._fault("delete", err)
             return False
 
+    def _stored_fingerprint(self, fingerprint: bytes) -> bytes:
+        """The fingerprint this tier stores ``fingerprint``'s objects under (see ``layout``)."""
+        if not self.layout:
+            return fingerprint
+        stored = self._stored_fingerprints.get(fingerprint)
+        if stored is None:
+            stored = tier_fingerprint(fingerprint, self.layout)
+            self._stored_fingerprints[bytes(fingerprint)] = stored
+            self._engine_fingerprints[stored] = bytes(fingerprint)
+        return stored
+
     def _corrupt(self, key: bytes, err: CorruptObject) -> None:
-        """Count, say and drop a damaged object; the device answered, so it is not sick."""
-        self._count(corrupt=1)
-        _log.warning("kvharbor: corrupt chunk %s in tier '%s' (%s) -> treated as miss", key.hex(), self.name, err)
+        """Count, say and drop a damaged object; the device answered, so it is not sick.
+
+        On a tier with a ``layout`` of its own, an intact object of another layout
+        is stale, not damaged (the tier's settings changed since it was stored):
+        counted as such and said once, not per object. Elsewhere keys embed the
+        layout, so a key under another layout is damage.
+        """
+        if isinstance(err, ForeignLayout) and self.layout:
+            self._count(stale=1)
+            self._once.say(
+                f"stale:{self.name}",
+                f"tier '{self.name}' holds objects stored under other settings of it; they are misses, dropped",
+            )
+        else:
+            self._count(corrupt=1)
+            _log.warning("kvharbor: corrupt chunk %s in tier '%s' (%s) -> treated as miss", key.hex(), self.name, err)
         self.delete([key])
         self._ok()
 
@@ -584,6 +688,17 @@ class Tier:
 
     def _fault(self, operation: str, err: DeviceError) -> None:
         self._count(errors=1)
+        if isinstance(err, TargetUnreachable):
+            # The device says it is gone (a card's target restarting): unavailable now,
+            # probed again after the breaker's wait, not after a window of failures.
+            self.breaker.trip()
+            self._once.say(
+                f"open:{self.name}",
+                f"tier '{self.name}' unavailable ({err}); the others serve; "
+                f"probing it again in {self.breaker.wait_s:g} s, backing off",
+                logging.ERROR,
+            )
+            return
         state = self.breaker.record(False)
         self._once.say(f"fault:{self.name}", f"tier '{self.name}' {operation} failed: {err}; treated as a miss")
         if state is BreakerState.OPEN:
@@ -591,7 +706,7 @@ class Tier:
                 f"open:{self.name}",
                 f"tier '{self.name}' circuit breaker open: more than "
                 f"{self.breaker.settings.failure_ratio:.0%} of its operations failed; "
-                f"skipped for {self.breaker.settings.cooldown_s:g} s",
+                f"skipped for {self.breaker.wait_s:g} s",
                 logging.ERROR,
             )
 

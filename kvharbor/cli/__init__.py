@@ -41,7 +41,12 @@ from kvharbor.config import Config, load_config
 Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 """What ``add_parser`` of a command module receives."""
 
-COMMAND_MODULES: tuple[str, ...] = ("kvharbor.cli.keys", "kvharbor.cli.gateway", "kvharbor.cli.demo")
+COMMAND_MODULES: tuple[str, ...] = (
+    "kvharbor.cli.keys",
+    "kvharbor.cli.gateway",
+    "kvharbor.cli.demo",
+    "kvharbor.cli.card",
+)
 """Modules that each register one command group through ``add_parser(subparsers)``."""
 
 PROG = "kvharbor"
@@ -61,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def add_config_argument(parser: argparse.ArgumentParser) -> None:
+def add_config_argument(parser: argparse.ArgumentParser | argparse._MutuallyExclusiveGroup) -> None:
     """The ``--config FILE`` option every command that reads the config shares."""
     parser.add_argument(
         "--config",

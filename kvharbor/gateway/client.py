@@ -48,7 +48,8 @@ from kvharbor import __version__
 from kvharbor.cache.format import copy_with_checksum
 from kvharbor.config import GatewaySection
 from kvharbor.gateway import protocol as p
-from kvharbor.gateway.shm import Segment, ShmUnavailable
+from kvharbor.gateway.access import denied_hint
+from kvharbor.gateway.shm import Segment, ShmDenied, ShmUnavailable
 from kvharbor.gateway.wire import FrameReader, PeerClosed, send_message
 from kvharbor.hal.base import Buffer
 
@@ -82,6 +83,23 @@ class GatewayNotRunning(GatewayUnavailable):
 
 class VersionMismatch(GatewayError):
     pass
+
+
+class ConfigMismatch(GatewayError):
+    """The gateway serves another storage or card config (``CONFIG_MISMATCH``)."""
+
+
+class AccessDenied(GatewayUnavailable):
+    """This process's user may not use the gateway: the kernel refused the socket or the
+    segment (EACCES), or the gateway's ``gateway.access`` refused it (``ACCESS_DENIED``)."""
+
+
+_REFUSED_HELLO: dict[p.ErrorCode, type[GatewayError]] = {
+    p.ErrorCode.VERSION_MISMATCH: VersionMismatch,
+    p.ErrorCode.CONFIG_MISMATCH: ConfigMismatch,
+    p.ErrorCode.ACCESS_DENIED: AccessDenied,
+}
+"""A refused handshake whose reason is a class of its own; its message starts with the code."""
 
 
 class GatewayRefused(GatewayError):
@@ -150,20 +168,28 @@ class GatewayClient:
         sock.settimeout(section.connect_timeout_ms / 1000)
         try:
             sock.connect(section.socket)
+        except PermissionError:
+            # Someone listens there, but not for this user: starting a gateway of our own could not help.
+            sock.close()
+            raise AccessDenied(denied_hint("the gateway socket", section.socket)) from None
         except OSError as err:
             sock.close()
             raise GatewayNotRunning(f"no gateway answers at {section.socket} ({err.strerror or err})") from None
         _kernel_timeouts(sock, section.request_timeout_ms)
         try:
-            send_message(sock, p.Hello(protocol, release, os.getpid(), client_name), 0)
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                # A gateway that refuses this process at accept answers before it reads, and
+                # hangs up: its reason is still there to read.
+                send_message(sock, p.Hello(protocol, release, os.getpid(), client_name, section.config_digest), 0)
             _, reply = FrameReader(sock, section.message_bytes_max).message()
         except (OSError, PeerClosed, p.ProtocolError) as err:
             sock.close()
             raise GatewayUnavailable(f"gateway at {section.socket} did not complete the handshake: {err}") from None
         if isinstance(reply, p.Error):
             sock.close()
-            if reply.code is p.ErrorCode.VERSION_MISMATCH:
-                raise VersionMismatch(f"VERSION_MISMATCH: {reply.text}")
+            refused = _REFUSED_HELLO.get(reply.code)
+            if refused is not None:
+                raise refused(f"{reply.code.name}: {reply.text}")
             raise GatewayRefused(reply.code, reply.text)
         if not isinstance(reply, p.HelloOk):
             sock.close()
@@ -181,7 +207,7 @@ class GatewayClient:
             segment = Segment.attach(Path(reply.shm_path), reply.shm_bytes, reply.ring_bytes)
         except ShmUnavailable as err:
             sock.close()
-            raise GatewayUnavailable(str(err)) from None
+            raise (AccessDenied if isinstance(err, ShmDenied) else GatewayUnavailable)(str(err)) from None
         return cls(sock, segment, reply, section)
 
     @property

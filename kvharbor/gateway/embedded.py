@@ -9,8 +9,13 @@ it watches a pipe whose write end only that process holds (a process forked
 from it lets go of its copy at once).
 
 Only "nothing listens on the socket" starts a gateway. A gateway that answers
-but cannot be used (another release, a segment this process cannot open) is
-reported as it is: starting a second one could not fix it.
+but cannot be used (another release, another config, a user it does not admit,
+a segment this process cannot open) is reported as it is: starting a second one
+could not fix it. Engines of different storage configs find different gateways
+when ``gateway.socket`` is left ``derived`` (`kvharbor.config.gateway_address`).
+
+The files kept beside the socket (the start lock, the child's config) get the
+access of ``gateway.access``, like the socket and the segment.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import time
 from pathlib import Path
 
 from kvharbor.config import Config, validate_config
+from kvharbor.gateway.access import AccessPolicy
 from kvharbor.gateway.client import GatewayClient, GatewayError, GatewayNotRunning
 from kvharbor.telemetry.log import get_logger
 
@@ -61,9 +67,17 @@ def connect(config: Config, client_name: str) -> GatewayClient:
         if section.mode != "embedded":
             raise
     socket_path = Path(section.socket)
-    socket_path.parent.mkdir(parents=True, exist_ok=True)
+    access = AccessPolicy(section.access)
     lock_path = socket_path.with_name(socket_path.name + ".spawn")
-    with open(lock_path, "a+") as lock:
+    try:
+        access.make_directory(socket_path.parent)
+        lock = access.open_file(lock_path)
+    except OSError as err:
+        raise GatewayError(
+            f"cannot start an embedded gateway: {err.filename or lock_path}: {err.strerror or err}; "
+            "choose a gateway.socket in a directory this user can write (and gateway.access for other users)"
+        ) from None
+    try:
         # Held while one client starts the gateway; the others wait here, then
         # connect. The wait is bounded by the starter's embedded_start_timeout_ms.
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -71,24 +85,34 @@ def connect(config: Config, client_name: str) -> GatewayClient:
             return GatewayClient.connect(section, client_name)
         except GatewayNotRunning:
             pass
-        _start_child(config)
+        _start_child(config, access)
+    finally:
+        os.close(lock)
     return GatewayClient.connect(section, client_name)
 
 
-def _write_config(config: Config, path: Path) -> None:
+def _write_config(config: Config, path: Path, access: AccessPolicy) -> None:
     """The child's config, exactly ours: tiers are dumped as their own types
     (``serialize_as_any``), or a file tier would lose its ``path``."""
     document = config.model_dump(mode="json", serialize_as_any=True)
     assert validate_config(document) == config, "the config must survive its round trip"
     staging = path.with_name(path.name + f".{os.getpid()}")
-    staging.write_text(json.dumps(document))
+    staging.unlink(missing_ok=True)
+    with os.fdopen(access.open_file(staging), "w") as file:
+        file.write(json.dumps(document))
     staging.replace(path)
 
 
-def _start_child(config: Config) -> None:
+def _start_child(config: Config, access: AccessPolicy) -> None:
     section = config.gateway
     config_path = Path(section.socket).with_name(Path(section.socket).name + ".config.json")
-    _write_config(config, config_path)
+    try:
+        _write_config(config, config_path, access)
+    except OSError as err:
+        raise GatewayError(
+            f"cannot write the embedded gateway's config {config_path}: {err.strerror or err}; "
+            "check gateway.socket and gateway.access"
+        ) from None
     ready_read, ready_write = os.pipe()
     life_read, life_write = os.pipe()
     command = [

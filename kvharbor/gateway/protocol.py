@@ -22,17 +22,19 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
 from kvharbor.cache.keys import KEY_BYTES
+from kvharbor.config import ConfigDigest
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 """Bumped on any change to frames or message bodies. 2: PROGRESS. 4: PUT_COMMIT carries
-the writer's payload checksums. 5: LOOKUP checks value sizes and answers which hits are
-resident; VERIFY and DROP."""
+the writer's payload checksums. 5: HELLO carries the client's `ConfigDigest`. 6: LOOKUP
+checks value sizes and answers which hits are resident; VERIFY and DROP."""
 
 FRAME = struct.Struct("<IHHQ")
 FRAME_BYTES = FRAME.size
 KEYS_PER_MESSAGE_MAX = 4096
 """A batch holds at most this many keys: 4096 chunks of 256 tokens is 1 M tokens."""
 TEXT_BYTES_MAX = 4096
+DIGEST_SECTIONS_MAX = 16
 
 
 class MessageType(enum.IntEnum):
@@ -69,6 +71,10 @@ class ErrorCode(enum.IntEnum):
     NOT_READY = 7
     """A request before the handshake."""
     INTERNAL = 8
+    CONFIG_MISMATCH = 9
+    """The client's storage or card section is not the gateway's (HELLO)."""
+    ACCESS_DENIED = 10
+    """The client's user is not admitted by the gateway's ``gateway.access`` (at accept)."""
 
 
 class ProtocolError(Exception):
@@ -219,13 +225,32 @@ class Hello(Message):
     release: str
     pid: int
     client: str
+    config_digest: ConfigDigest
+    """What the client's config says the gateway must serve (its storage and card sections)."""
 
     def body(self) -> bytes:
-        return _U32.pack(self.protocol) + _text(self.release) + _U32.pack(self.pid) + _text(self.client)
+        sections = self.config_digest.sections
+        if len(sections) > DIGEST_SECTIONS_MAX:
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"{len(sections)} digest sections exceed {DIGEST_SECTIONS_MAX}")
+        return (
+            _U32.pack(self.protocol) + _text(self.release) + _U32.pack(self.pid) + _text(self.client)
+            + _U32.pack(len(sections)) + b"".join(_text(name) + _text(digest) for name, digest in sections)
+        )  # fmt: skip
 
     @classmethod
     def parse(cls, reader: _Reader) -> Hello:
-        return cls(reader.u32(), reader.text(), reader.u32(), reader.text())
+        protocol, release, pid, client = reader.u32(), reader.text(), reader.u32(), reader.text()
+        if protocol != PROTOCOL_VERSION:
+            # The fields after these four may differ in another protocol: keep what is needed
+            # to refuse it as VERSION_MISMATCH (naming both), not as MALFORMED.
+            reader.take(reader.remaining())
+            return cls(protocol, release, pid, client, ConfigDigest(()))
+        n = reader.u32()
+        if n > DIGEST_SECTIONS_MAX:
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"{n} digest sections exceed {DIGEST_SECTIONS_MAX}")
+        return cls(
+            protocol, release, pid, client, ConfigDigest(tuple((reader.text(), reader.text()) for _ in range(n)))
+        )
 
 
 @dataclass(frozen=True, slots=True)

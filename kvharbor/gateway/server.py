@@ -31,6 +31,7 @@ from kvharbor.cache.assembly import device_limit, open_store
 from kvharbor.cache.store import TieredStore
 from kvharbor.config import MIB, Config
 from kvharbor.gateway import protocol as p
+from kvharbor.gateway.access import AccessPolicy, Peer, peer_of
 from kvharbor.gateway.shm import (
     PAGE_BYTES,
     Segment,
@@ -46,7 +47,7 @@ from kvharbor.gateway.wire import FrameReader, PeerClosed, send_message
 from kvharbor.hal.base import Device
 from kvharbor.hal.extents import round_up
 from kvharbor.hal.shm_ram import SharedRamDevice
-from kvharbor.telemetry.log import get_logger
+from kvharbor.telemetry.log import OnceLog, get_logger
 
 _log = get_logger("kvharbor.gateway")
 
@@ -58,9 +59,16 @@ whole pages, so the region must hold a little more than the budget counts."""
 ACCEPT_RETRY_MS = 100
 """Back-off after a failed accept (e.g. out of file descriptors) before trying again."""
 
+CLOSING_REFUSALS = frozenset({p.ErrorCode.VERSION_MISMATCH, p.ErrorCode.CONFIG_MISMATCH})
+"""Refused HELLOs after which the connection is closed: nothing else could be served on it."""
+
 
 class GatewayStartError(Exception):
     """The gateway cannot start; the message says what to change."""
+
+
+def _cannot(action: str, path: Path, setting: str, err: OSError) -> GatewayStartError:
+    return GatewayStartError(f"cannot {action} {path} ({err.strerror or err}); check {setting}")
 
 
 class _Progress:
@@ -117,6 +125,7 @@ class Gateway:
         self.config = config
         self.start_clean = start_clean
         self.socket_path = Path(config.gateway.socket)
+        self.access = AccessPolicy(config.gateway.access)
         self.counters = GatewayCounters()
         self.segment: Segment | None = None
         self.ring_bytes = 0
@@ -135,13 +144,17 @@ class Gateway:
         # up, so the process never exits half-way through it.
         self._stop_lock = threading.Lock()
         self._stopped = False
+        self._once = OnceLog(_log)
 
     # -- life cycle --------------------------------------------------------
 
     def start(self) -> None:
         """Take the socket's lock, size and create the segment, open the store, listen."""
         gw = self.config.gateway
-        self.socket_path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.access.make_directory(self.socket_path.parent)
+        except OSError as err:
+            raise _cannot("create the socket's directory", self.socket_path.parent, "gateway.socket", err) from None
         self._take_lock()
         shm_dir = Path(gw.shm_dir)
         if not shm_dir.is_dir():
@@ -155,10 +168,17 @@ class Gateway:
         # Ours to replace: we hold the lock, so a socket file here is a dead gateway's.
         self.socket_path.unlink(missing_ok=True)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(str(self.socket_path))
-        self._socket_bound = True
-        listener.listen(gw.clients_max)
         self._listener = listener
+        try:
+            listener.bind(str(self.socket_path))
+        except OSError as err:
+            raise _cannot("bind the socket", self.socket_path, "gateway.socket", err) from None
+        self._socket_bound = True
+        try:
+            self.access.apply(self.socket_path)
+        except OSError as err:
+            raise _cannot("grant gateway.access on", self.socket_path, "gateway.access", err) from None
+        listener.listen(gw.clients_max)
         _log.info(
             "kvharbor: gateway %s (protocol %d, pid %d) serving %s, shared memory %s (%d MiB), start-clean=%d",
             __version__, p.PROTOCOL_VERSION, os.getpid(), self.socket_path, self.segment.path,
@@ -199,6 +219,10 @@ class Gateway:
             self.segment = Segment.create(segment_path(shm_dir, gw.shm_name, os.getpid()), size)
         except (ShmTooSmall, OSError) as err:
             raise GatewayStartError(str(err)) from None
+        try:
+            self.access.apply(self.segment.path)
+        except OSError as err:
+            raise _cannot("grant gateway.access on", self.segment.path, "gateway.access", err) from None
         self.ring_bytes = ring
         devices: dict[str, Device] = {}
         at = ring
@@ -224,6 +248,10 @@ class Gateway:
             self._admit(sock)
 
     def _admit(self, sock: socket.socket) -> None:
+        peer = peer_of(sock)
+        if not self.access.admits(peer):
+            self._deny(sock, peer)
+            return
         clients_max = self.config.gateway.clients_max
         with self._clients_lock:
             if len(self._clients) >= clients_max:
@@ -242,6 +270,17 @@ class Gateway:
             return
         self._count(clients_total=1)
         thread.start()
+
+    def _deny(self, sock: socket.socket, peer: Peer) -> None:
+        """Refuse a process whose user ``gateway.access`` does not admit, before reading from it;
+        said once per uid (a client retrying in a loop must not flood the log)."""
+        reason = self.access.refusal(peer, self.socket_path)
+        with self._counters_lock:
+            self.counters.rejected[p.ErrorCode.ACCESS_DENIED.name] += 1
+        self._once.say(f"access:{peer.uid}", f"refused a client: {reason}")
+        with contextlib.suppress(OSError):
+            send_message(sock, p.Error(p.ErrorCode.ACCESS_DENIED, reason), 0)
+        sock.close()
 
     def stop(self) -> None:
         """Stop serving and release everything; safe to call from any thread, more than once."""
@@ -302,6 +341,8 @@ class Gateway:
             "protocol": p.PROTOCOL_VERSION,
             "pid": os.getpid(),
             "socket": str(self.socket_path),
+            "config_digest": self.config.gateway.config_digest.short,
+            "access": self.access.describe(),
             "shm": {
                 "path": str(self.segment.path),
                 "bytes": self.segment.size,
@@ -335,7 +376,7 @@ class Gateway:
                     reply = self._answer(connection, frame.type, body)
                 except p.ProtocolError as err:
                     self._reject(connection, err, frame.request_id)
-                    if err.code is p.ErrorCode.VERSION_MISMATCH:
+                    if err.code in CLOSING_REFUSALS:
                         return
                     continue
                 send_message(sock, reply, frame.request_id)
@@ -423,6 +464,18 @@ class Gateway:
                 f"client {hello.client!r} (pid {hello.pid}) is release {hello.release} protocol {hello.protocol}; "
                 f"gateway is release {__version__} protocol {p.PROTOCOL_VERSION}: deploy both from the same release",
             )
+        served = self.config.gateway.config_digest
+        differing = served.differing(hello.config_digest)
+        if differing:
+            raise p.ProtocolError(
+                p.ErrorCode.CONFIG_MISMATCH,
+                f"client {hello.client!r} (pid {hello.pid}) has another config than the gateway at "
+                f"{self.socket_path} (pid {os.getpid()}): its {' and '.join(differing)} section"
+                f"{'s differ' if len(differing) > 1 else ' differs'} (client config {hello.config_digest.short}, "
+                f"gateway config {served.short}). Engines that share a gateway need the same storage and card "
+                "sections: give this engine the gateway's, or a gateway.socket of its own (left unset, 'derived', "
+                "every config gets a gateway of its own)",
+            )
         assert self.segment is not None
         _log.info("kvharbor: client %r (pid %d) attached", hello.client, hello.pid)
         return p.HelloOk(
@@ -451,7 +504,7 @@ class Gateway:
             self.counters.rejected[err.code.name] += 1
         if err.code not in connection.refusals_logged:
             connection.refusals_logged.add(err.code)
-            if err.code is p.ErrorCode.VERSION_MISMATCH:
+            if err.code in CLOSING_REFUSALS:
                 _log.error("kvharbor: refused %s: %s", connection.peer, err)
             else:
                 _log.warning("kvharbor: refused a message from %s: %s", connection.peer, err)
@@ -461,7 +514,10 @@ class Gateway:
     def _take_lock(self) -> None:
         """One gateway per socket: an exclusive lock beside it, held for life."""
         lock_path = self.socket_path.with_name(self.socket_path.name + ".lock")
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fd = self.access.open_file(lock_path)
+        except OSError as err:
+            raise _cannot("open the gateway's lock", lock_path, "gateway.socket and gateway.access", err) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvharbor.config import MIB
+from kvharbor.gateway.access import denied_hint
 from kvharbor.hal.extents import PAGE_BYTES
 from kvharbor.telemetry.log import get_logger
 
@@ -39,6 +40,10 @@ class ShmTooSmall(Exception):
 
 class ShmUnavailable(Exception):
     pass
+
+
+class ShmDenied(ShmUnavailable):
+    """The segment exists but this process's user may not open it (``gateway.access``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +161,8 @@ class Segment:
         are made read-only, so a client bug cannot damage stored values."""
         try:
             fd = os.open(path, os.O_RDWR)
+        except PermissionError:
+            raise ShmDenied(denied_hint("the gateway's shared memory", path)) from None
         except OSError as err:
             raise ShmUnavailable(
                 f"cannot open the gateway's shared memory {path} ({err.strerror}); {SHARE_HINT}"

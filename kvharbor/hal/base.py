@@ -54,6 +54,12 @@ class DeviceUnavailable(DeviceError):
     """The device does not answer (unmounted, target gone, process dead)."""
 
 
+class TargetUnreachable(DeviceUnavailable):
+    """The path to the device is gone (an NVMe-oF target that restarts): no operation will
+    succeed until it answers again, so the tier is unavailable at once, not after a window
+    of failures (see `kvharbor.cache.breaker.CircuitBreaker.trip`)."""
+
+
 class DeviceTransient(DeviceError):
     """A failure that may pass if retried later (timeout, busy, EINTR-like)."""
 
@@ -220,6 +226,67 @@ class DeviceEvent:
     kind: DeviceEventKind
     device: str
     detail: str = ""
+
+
+class CapacityUsage(enum.Enum):
+    """A card's fill level as its service reports it; thresholds are the card's own."""
+
+    OK = "OK"
+    WARNING = "WARNING"
+    CRITICAL = "CRITICAL"
+
+
+@dataclass(frozen=True, slots=True)
+class CardStatus:
+    """A card's aggregated status: what ``kvharbor card status`` shows."""
+
+    driver: str
+    service: str
+    """The card's own service or target state: ``running``, ``target unreachable``."""
+    firmware_version: str
+    temperature_c: float
+    supercap: str
+    """``ok`` or ``failed`` (writes not yet on flash are lost at a power loss)."""
+    flash_spare_percent: float
+    flash_wear_percent: float
+    capacity_usage: CapacityUsage
+    used_bytes: int
+    capacity_bytes: int
+    keys: int
+    keys_max: int
+    key_eviction: bool
+    paths: tuple[str, ...] = ()
+    """Paths, namespaces or RAID members where known."""
+
+
+@dataclass(frozen=True, slots=True)
+class CardEventRecord:
+    """One entry of a card's own event log (numbers documented by the driver)."""
+
+    seq: int
+    time_s: float
+    code: int
+    name: str
+    message: str
+
+
+class CardDevice(ABC):
+    """Mixin for computational-storage cards: aggregated status, the card's event log,
+    key eviction switchable while running, and the status codes it answered."""
+
+    @abstractmethod
+    def card_status(self) -> CardStatus: ...
+
+    @abstractmethod
+    def card_events(self, since_seq: int = 0) -> list[CardEventRecord]:
+        """The card's events after ``since_seq``, oldest first."""
+
+    @abstractmethod
+    def set_key_eviction(self, enabled: bool) -> None: ...
+
+    @abstractmethod
+    def status_counts(self) -> dict[str, int]:
+        """Answers other than success, counted by status code (misses included)."""
 
 
 class EventSource(ABC):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvharbor.config import FileTierSection, RamTierSection, TierSection
+from kvharbor.config import FileTierSection, NvmeTierSection, RamTierSection, TierSection
 from kvharbor.hal.base import Device
 
 DeviceFactory = Callable[[TierSection, int], Device]
@@ -29,7 +29,14 @@ def _open_file(section: TierSection, max_value_bytes: int) -> Device:
     return open_file_device(section, max_value_bytes)
 
 
-_FACTORIES: dict[str, DeviceFactory] = {"ram": _open_ram, "file": _open_file}
+def _open_nvme(section: TierSection, max_value_bytes: int) -> Device:
+    from kvharbor.hal.cards import open_card
+
+    assert isinstance(section, NvmeTierSection)
+    return open_card(section.name, section.device, max_value_bytes)
+
+
+_FACTORIES: dict[str, DeviceFactory] = {"ram": _open_ram, "file": _open_file, "nvme": _open_nvme}
 
 
 def register(type_name: str, factory: DeviceFactory) -> None:

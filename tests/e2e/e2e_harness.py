@@ -138,23 +138,39 @@ class Lab:
 
     def run(self, spec: dict[str, Any], env: dict[str, str] | None = None) -> Run:
         """One fresh engine process running ``spec`` (see driver.py)."""
-        self._runs += 1
-        spec_path = self.root / f"spec-{self._runs}.json"
-        spec_path.write_text(json.dumps({"model": str(self.model), **spec}))
-        log_path = self.root / f"engine-{self._runs}.log"
-        with open(log_path, "wb") as log:
-            process = subprocess.run(
-                [sys.executable, str(DRIVER), str(spec_path)],
-                env=env if env is not None else self.env(),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                timeout=ENGINE_TIMEOUT_S,
-                cwd=self.root,
-            )
-        text = log_path.read_text(errors="replace")
-        records = [json.loads(line[4:]) for line in text.splitlines() if line.startswith("E2E {")]
-        return Run(process.returncode, records, text)
+        (run,) = self.run_together([(spec, env if env is not None else self.env())])
+        return run
+
+    def run_together(self, engines: list[tuple[dict[str, Any], dict[str, str]]]) -> list[Run]:
+        """Fresh engine processes, one per (spec, environment), all started at once."""
+        started = []
+        for spec, env in engines:
+            self._runs += 1
+            spec_path = self.root / f"spec-{self._runs}.json"
+            spec_path.write_text(json.dumps({"model": str(self.model), **spec}))
+            log_path = self.root / f"engine-{self._runs}.log"
+            with open(log_path, "wb") as log:
+                process = subprocess.Popen(
+                    [sys.executable, str(DRIVER), str(spec_path)],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    cwd=self.root,
+                )
+            started.append((process, log_path))
+        runs = []
+        for process, log_path in started:
+            try:
+                returncode = process.wait(ENGINE_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                for other, _ in started:
+                    other.kill()
+                raise
+            text = log_path.read_text(errors="replace")
+            records = [json.loads(line[4:]) for line in text.splitlines() if line.startswith("E2E {")]
+            runs.append(Run(returncode, records, text))
+        return runs
 
     def start_gateway(self) -> subprocess.Popen[bytes]:
         """``kvharbor gateway --config F`` as a service; returns once it serves."""
@@ -176,13 +192,14 @@ class Lab:
         assert answer == b"ready\n", f"gateway did not become ready: {self.gateway_log()}"
         return process
 
-    def stored_objects(self) -> int:
-        """Objects in the file tier, counted on disk once the engines that wrote them are gone.
+    def stored_objects(self, cache: Path | None = None) -> int:
+        """Objects in the file tier (the lab's, or the one at ``cache``), counted on disk once
+        the engines that wrote them are gone.
 
         The engine's ``stored_chunks`` counter only reports commits that finished before
         its last step; the last save commits behind the engine.
         """
-        return sum(1 for _ in FileDevice("local", str(self.cache), 64 << 20).scan())
+        return sum(1 for _ in FileDevice("local", str(cache or self.cache), 64 << 20).scan())
 
     def gateway_log(self) -> str:
         path = self.root / "gateway.log"

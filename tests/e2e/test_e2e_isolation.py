@@ -1,11 +1,14 @@
-"""What must never hit: another tenant's salt, another layout, another model."""
+"""What must never hit: another tenant's salt, another layout, another model; and what must never
+share a gateway: another storage config."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
-from e2e_harness import Lab, bound, request, tokens
+import yaml
+from e2e_harness import OFF_LINE, Lab, bound, request, tokens
 
 from kvharbor.demo.model import build_tiny_model
 
@@ -47,3 +50,30 @@ def test_a_layout_change_never_hits(lab: Lab, other_model: Path) -> None:
     # The original layout still finds its own chunks: the misses above were the layout's doing.
     again = lab.run({"rounds": [[request(LONG)]]}).ok()
     assert again.rounds()[0]["external_hits"] == bound(len(LONG))
+
+
+def test_two_configs_at_once_keep_to_their_own_gateways(lab: Lab) -> None:
+    """Two engines of two storage configs, started together, with gateway.socket left
+    ``derived``: each starts a gateway of its own and stores in its own tier (sharing
+    one, the second's chunks would be skipped as already stored in the first's)."""
+    engines = []
+    for name in ("first", "second"):
+        document = {"gateway": {"ring_mb": 64, "shm_reserve_mb": 0},
+                    "storage": {"tiers": [{"name": "local", "type": "file", "path": str(lab.root / name),
+                                           "capacity_gb": 2}]}}  # fmt: skip
+        path = lab.root / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(document))
+        # A short runtime directory of the test's own, where the derived sockets go.
+        engines.append(
+            ({"rounds": [[request(LONG)]]}, lab.env(KVHARBOR_CONFIG=str(path), XDG_RUNTIME_DIR=str(lab.runtime)))
+        )
+    runs = [run.ok() for run in lab.run_together(engines)]
+    gateway_pids = set()
+    for run in runs:
+        started = re.findall(r"kvharbor: started an embedded gateway \(pid (\d+)\)", run.log)
+        assert len(started) == 1, run.log
+        gateway_pids.add(started[0])
+        assert OFF_LINE not in run.log
+    assert len(gateway_pids) == 2
+    for name in ("first", "second"):
+        assert lab.stored_objects(lab.root / name) == len(LONG) // 256, name

@@ -14,11 +14,12 @@ import signal
 import sys
 import traceback
 
-from gateway_harness import FINGERPRINT, get_values, roundtrip, shared_items, value_for
+from gateway_harness import FINGERPRINT, get_values, keys_of, put_values, roundtrip, shared_items, value_for
 
 from kvharbor.config import load_config
 from kvharbor.gateway import embedded
 from kvharbor.gateway.client import GatewayClient, GatewayError
+from tests.support.as_user import ENV, become
 
 
 def say(text: str) -> None:
@@ -30,6 +31,8 @@ def wait_for_cue() -> None:
 
 
 def main(mode: str, config_path: str, *args: str) -> int:
+    if ENV in os.environ:
+        become(os.environ[ENV])  # A client of another user (tests/support/as_user.py).
     config = load_config(config_path, environ={})
     if mode == "embedded":
         client = embedded.connect(config, "worker")
@@ -51,6 +54,27 @@ def main(mode: str, config_path: str, *args: str) -> int:
             say("lookup-ok")
         except GatewayError as err:
             say(f"gateway-error {type(err).__name__}")
+        return 0
+    if mode == "embedded-store":
+        # An engine of its own config: stores values, then (on its cue) looks them up again.
+        tag, count = int(args[0]), int(args[1])
+        items = [(key, 1000 + i) for i, key in enumerate(keys_of(count, tag))]
+        client = embedded.connect(config, f"worker-{tag}")
+        say(f"{client.hello.gateway_pid} {config.gateway.socket} stored {put_values(client, items)}")
+        wait_for_cue()
+        try:
+            say(f"holds {client.lookup([key for key, _ in items])}")
+        except GatewayError as err:
+            say(f"gateway-error {type(err).__name__}")
+        return 0
+    if mode == "probe":
+        # Whether this process (maybe of another user) may use the gateway: a round trip, or the reason.
+        try:
+            client = embedded.connect(config, "probe")
+            say(f"admitted: checked {roundtrip(client, 7, shared_items(), 1)}")
+        except GatewayError as err:
+            say(f"refused {type(err).__name__}: {err}")
+        wait_for_cue()
         return 0
     client = GatewayClient.connect(config.gateway, f"worker-{mode}")
     if mode == "roundtrip":

@@ -167,14 +167,16 @@ class GatewayProcess:
 
 
 class Worker:
-    """A client in another process (tests/gateway/client_worker.py), talking by lines."""
+    """A client in another process (tests/gateway/client_worker.py), talking by lines.
+    ``popen``: more `subprocess.Popen` arguments (``env``, ``user``, ``group``, ``extra_groups``)."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, **popen: Any) -> None:
         self.process = subprocess.Popen(
             [sys.executable, str(WORKER), *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
+            **popen,
         )
         self._pending = b""
 
@@ -296,8 +298,8 @@ class Lab:
         self.shm.add((Path(gateway.config.gateway.shm_dir), gateway.config.gateway.shm_name))
         return gateway
 
-    def worker(self, *args: str) -> Worker:
-        worker = Worker(*args)
+    def worker(self, *args: str, **popen: Any) -> Worker:
+        worker = Worker(*args, **popen)
         self.workers.append(worker)
         return worker
 

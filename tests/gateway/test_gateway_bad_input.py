@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvharbor import __version__
-from kvharbor.config import load_config
+from kvharbor.config import GatewaySection, load_config
 from kvharbor.gateway import protocol as p
 from kvharbor.gateway.client import GatewayClient, GatewayRefused
 from kvharbor.gateway.protocol import FRAME, ErrorCode, MessageType
@@ -39,10 +39,11 @@ U32 = struct.Struct("<I")
 class RawPeer:
     """A hand-driven connection: frames exactly as given, replies as decoded."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, section: GatewaySection) -> None:
+        self.digest = section.config_digest
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(30)
-        self.sock.connect(path)
+        self.sock.connect(section.socket)
         self.reader = FrameReader(self.sock, 1 << 20)
 
     def send(self, kind: int, body: bytes, request_id: int = 7, length: int | None = None) -> None:
@@ -53,7 +54,7 @@ class RawPeer:
         return header.request_id, message
 
     def hello(self) -> None:
-        self.send(MessageType.HELLO, p.Hello(p.PROTOCOL_VERSION, __version__, os.getpid(), "raw").body())
+        self.send(MessageType.HELLO, p.Hello(p.PROTOCOL_VERSION, __version__, os.getpid(), "raw", self.digest).body())
         assert isinstance(self.reply()[1], p.HelloOk)
 
     def refused(self, kind: int, body: bytes, length: int | None = None) -> ErrorCode:
@@ -73,7 +74,7 @@ def gateway(started: Callable[..., GatewayProcess]) -> GatewayProcess:
 
 @pytest.fixture
 def raw(gateway: GatewayProcess) -> Iterator[RawPeer]:
-    peer = RawPeer(gateway.config.gateway.socket)
+    peer = RawPeer(gateway.config.gateway)
     yield peer
     peer.close()
 
@@ -149,7 +150,7 @@ def test_each_bad_message_gets_its_code_and_the_gateway_serves_on(gateway: Gatew
 
 def test_truncated_frame_then_hang_up(gateway: GatewayProcess) -> None:
     for cut in (3, p.FRAME_BYTES, p.FRAME_BYTES + 5):
-        peer = RawPeer(gateway.config.gateway.socket)
+        peer = RawPeer(gateway.config.gateway)
         frame = p.encode(p.Lookup(0, [KEY, KEY]), 1)
         peer.sock.sendall(frame[:cut])
         peer.close()
@@ -162,7 +163,7 @@ def test_truncated_frame_then_hang_up(gateway: GatewayProcess) -> None:
 def test_random_frames_never_break_the_gateway(gateway: GatewayProcess, kind: int, body: bytes) -> None:
     """Arbitrary frames after the handshake: a reply for each (an answer or an ERROR),
     the connection still usable, and never a crash."""
-    peer = RawPeer(gateway.config.gateway.socket)
+    peer = RawPeer(gateway.config.gateway)
     try:
         peer.hello()
         peer.send(kind, body)

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvharbor.config import GatewaySection
+from kvharbor.config import ConfigDigest, GatewaySection
 from kvharbor.gateway import protocol as p
 from kvharbor.gateway.protocol import FRAME_BYTES, KEYS_PER_MESSAGE_MAX, ErrorCode, ProtocolError
 
@@ -16,9 +16,12 @@ key_lists = st.lists(keys, max_size=40)
 u32 = st.integers(0, 2**32 - 1)
 u64 = st.integers(0, 2**64 - 1)
 text = st.text(max_size=60)
+digests = st.builds(ConfigDigest, st.lists(st.tuples(text, text), max_size=p.DIGEST_SECTIONS_MAX).map(tuple))
 
 messages = st.one_of(
-    st.builds(p.Hello, u32, text, u32, text),
+    st.builds(p.Hello, st.just(p.PROTOCOL_VERSION), text, u32, text, digests),
+    # Another protocol's HELLO keeps only what its refusal names (the digest may have another form).
+    st.builds(p.Hello, u32.filter(lambda v: v != p.PROTOCOL_VERSION), text, u32, text, st.just(ConfigDigest(()))),
     st.builds(p.HelloOk, u32, text, text, u64, u64, u32),
     st.builds(p.Error, st.sampled_from(ErrorCode), text),
     st.builds(p.Lookup, u32, key_lists, u64),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ from kvharbor.config import (
     ConfigError,
     FileTierSection,
     RamTierSection,
+    gateway_address,
     load_config,
     validate_config,
 )
@@ -100,6 +102,12 @@ def _tiers(*tiers: dict[str, Any]) -> dict[str, Any]:
         pytest.param({"engine": {"chunk_size": "big"}}, ["engine.chunk_size", "'big'"], id="wrong type"),
         pytest.param({"gateway": {"mode": "sidecar"}}, ["gateway.mode", "'sidecar'"], id="bad choice"),
         pytest.param({"engine": {"verify_wait_ms": -1}}, ["engine.verify_wait_ms", "greater than"], id="negative wait"),
+        pytest.param({"engine": {"load_batch_mb": 0}}, ["engine.load_batch_mb", "greater than 0"], id="no load batch"),
+        pytest.param(
+            {"engine": {"save_staging_wait_ms": -1}},
+            ["engine.save_staging_wait_ms", "greater than or equal to 0"],
+            id="negative staging wait",
+        ),
         pytest.param(
             _tiers(
                 {"name": "ram", "type": "ram", "capacity_gb": 1},
@@ -163,3 +171,59 @@ def test_config_and_hal_registry_know_the_same_tier_types() -> None:
 def test_a_socket_path_too_long_to_bind_is_refused_naming_the_key() -> None:
     with pytest.raises(ConfigError, match=r"gateway\.socket: .* a Unix socket path holds at most 107"):
         validate_config({"gateway": {"socket": "/tmp/" + "d" * 120 + "/gw.sock"}})
+
+
+# -- which gateway a config uses (gateway_address) ---------------------------
+
+FILES = {"tiers": [{"name": "local", "type": "file", "path": "/var/cache/a", "capacity_gb": 1}]}
+
+
+def test_the_digest_covers_storage_and_card_but_not_engine_or_gateway() -> None:
+    base = validate_config({"storage": FILES})
+    same = validate_config(
+        {"storage": FILES, "engine": {"chunk_size": 512}, "gateway": {"ring_mb": 128, "request_timeout_ms": 9000}}
+    )
+    assert same.gateway.config_digest == base.gateway.config_digest
+    assert gateway_address(same) == gateway_address(base), "one gateway serves both"
+    other_path = validate_config({"storage": {"tiers": [{**FILES["tiers"][0], "path": "/var/cache/b"}]}})
+    other_card = validate_config({"storage": FILES, "card": {"fragment_bytes": 4096}})
+    assert other_path.gateway.config_digest.differing(base.gateway.config_digest) == ["storage"]
+    assert other_card.gateway.config_digest.differing(base.gateway.config_digest) == ["card"]
+    spelt_out = validate_config({"storage": FILES, "card": {"key_eviction": True, "fragment_bytes": 2 << 20}})
+    assert spelt_out.gateway.config_digest == base.gateway.config_digest, "defaults count as written"
+
+
+def test_a_derived_gateway_is_the_configs_own_and_an_explicit_one_is_kept(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    first = gateway_address(validate_config({"storage": FILES}))
+    second = gateway_address(validate_config({"storage": {**FILES, "write_policy": "write_back"}}))
+    assert first.socket.parent == second.socket.parent == tmp_path / "kvharbor"
+    assert first.socket != second.socket and first.shm_name != second.shm_name
+    assert first.socket.name == f"gateway-{first.config_digest.short}.sock"
+    assert first.shm_name == f"kvharbor-{first.config_digest.short}"
+    explicit = validate_config({"storage": FILES, "gateway": {"socket": "/run/kv/gw.sock", "shm_name": "kv"}})
+    assert (gateway_address(explicit).socket, gateway_address(explicit).shm_name) == (Path("/run/kv/gw.sock"), "kv")
+    assert explicit.gateway.config_digest == first.config_digest
+    # "derived" spelt out is the default; the resolved config survives the embedded child's round trip.
+    spelt = validate_config({"storage": FILES, "gateway": {"socket": "derived", "shm_name": "derived"}})
+    assert gateway_address(spelt) == first
+    assert validate_config(spelt.model_dump(mode="json", serialize_as_any=True)) == spelt
+    # Without a runtime directory, a directory of the user's own in /tmp.
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    assert gateway_address(validate_config({"storage": FILES})).socket.parent == Path(f"/tmp/kvharbor-{os.geteuid()}")
+
+
+def test_access_names_that_do_not_exist_are_refused_naming_the_key() -> None:
+    with pytest.raises(ConfigError, match=r"gateway\.access\.group: no group named 'no-such-group-kvh'"):
+        validate_config({"gateway": {"access": {"group": "no-such-group-kvh"}}})
+    with pytest.raises(ConfigError, match=r"gateway\.access\.users: no user named 'no-such-user-kvh'"):
+        validate_config({"gateway": {"access": {"users": ["root", "no-such-user-kvh"]}}})
+    with pytest.raises(ConfigError, match=r"gateway\.access\.users: user id -1 is negative"):
+        validate_config({"gateway": {"access": {"users": [-1]}}})
+    with pytest.raises(ConfigError, match=r"gateway\.access\.grop"):
+        validate_config({"gateway": {"access": {"grop": "root"}}})
+    access = validate_config({"gateway": {"access": {"group": "root", "users": ["root", 4242]}}}).gateway.access
+    assert (access.gid, access.uids, access.widened) == (0, frozenset({0, 4242}), True)
+    assert not validate_config({}).gateway.access.widened, "owner-only by default"

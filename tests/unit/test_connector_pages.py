@@ -1,81 +1,91 @@
-"""`PageCopier` on tensors shaped like vLLM's CPU KV cache: (num_blocks, kv_heads, block_size, 2 x head_dim)."""
+"""The cache seen as pages (`pages`) and the chunk arithmetic (`chunks`), on CPU tensors."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from kvharbor.connector.vllm.chunks import blocks_before, chunk_load, contiguous_runs, plan_saves
 from kvharbor.connector.vllm.layout import ConnectorRefusal
-from kvharbor.connector.vllm.pages import PageCopier
+from kvharbor.connector.vllm.metadata import ChunkTransfer
+from kvharbor.connector.vllm.pages import PageLayers, block_first, block_major
 
 NUM_BLOCKS, HEADS, BLOCK, HEAD_DIM, LAYERS = 12, 2, 16, 8, 3
 
 
-def cpu_cache(seed: int | None) -> list[torch.Tensor]:
+def cpu_cache() -> list[torch.Tensor]:
     """vLLM's CPU layout: every layer a view into one storage, block dimension first."""
-    shape = (NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD_DIM)
-    storage = torch.zeros(LAYERS, *shape)
-    if seed is not None:
-        storage.copy_(torch.randn(LAYERS, *shape, generator=torch.Generator().manual_seed(seed)))
-    return list(storage.unbind(0))
+    return list(torch.randn(LAYERS, NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD_DIM).unbind(0))
 
 
-def chunk(copier: PageCopier, blocks: list[int]) -> memoryview:
-    buffer = memoryview(bytearray(copier.chunk_bytes(len(blocks))))
-    copier.gather(blocks, buffer)
-    return buffer
+# -- pages ------------------------------------------------------------------------------
 
 
-def test_a_chunk_is_every_layers_pages_in_block_order() -> None:
-    source = cpu_cache(seed=1)
-    copier = PageCopier(source, NUM_BLOCKS)
-    assert copier.page_bytes == HEADS * BLOCK * 2 * HEAD_DIM * 4
-    buffer = chunk(copier, [7, 3])
-    as_tensor = torch.frombuffer(buffer, dtype=torch.float32).view(LAYERS, 2, HEADS, BLOCK, 2 * HEAD_DIM)
-    expected = torch.stack([layer[torch.tensor([7, 3])] for layer in source])
-    assert torch.equal(as_tensor, expected)
+def test_block_first_keeps_the_logical_order_and_block_major_the_memory_order() -> None:
+    nhd = torch.randn(NUM_BLOCKS, BLOCK, HEADS, 2 * HEAD_DIM).permute(0, 2, 1, 3)  # flash-attn's NHD strides
+    logical, memory = block_first(nhd, NUM_BLOCKS), block_major(nhd, NUM_BLOCKS)
+    assert logical.shape == (NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD_DIM)
+    assert memory.shape == (NUM_BLOCKS, HEADS * BLOCK * 2 * HEAD_DIM) and memory.stride()[1] == 1
+    assert torch.equal(memory[7], nhd.permute(0, 2, 1, 3)[7].reshape(-1))  # the block's memory as it lies
+    assert not torch.equal(memory[7], logical[7].reshape(-1))  # ... which is not its logical order
+    contiguous = torch.randn(NUM_BLOCKS, HEADS, BLOCK, HEAD_DIM)  # here both orders are the same bytes
+    assert torch.equal(block_major(contiguous, NUM_BLOCKS)[3], block_first(contiguous, NUM_BLOCKS)[3].reshape(-1))
 
 
-def test_gather_then_scatter_restores_the_pages_into_other_blocks() -> None:
-    source, target = cpu_cache(seed=2), cpu_cache(seed=None)
-    buffer = chunk(PageCopier(source, NUM_BLOCKS), [4, 5])
-    PageCopier(target, NUM_BLOCKS).scatter(buffer, 2, 0, [9, 1])
-    for before, after in zip(source, target, strict=True):
-        assert torch.equal(after[9], before[4]) and torch.equal(after[1], before[5])
-        untouched = [b for b in range(NUM_BLOCKS) if b not in (9, 1)]
-        assert not after[untouched].any()
+def test_a_kv_dimension_before_the_blocks() -> None:
+    t = torch.randn(2, NUM_BLOCKS, BLOCK, HEADS, HEAD_DIM)  # K and V apart: a block is two ranges
+    assert torch.equal(block_first(t, NUM_BLOCKS)[5], t[:, 5])
+    memory = block_major(t, NUM_BLOCKS)
+    assert memory.shape == (NUM_BLOCKS, 2, BLOCK * HEADS * HEAD_DIM)
+    assert torch.equal(memory[5, 1], t[1, 5].reshape(-1))
 
 
-def test_a_partial_first_chunk_skips_the_blocks_already_held() -> None:
-    source, target = cpu_cache(seed=3), cpu_cache(seed=None)
-    buffer = chunk(PageCopier(source, NUM_BLOCKS), [2, 3, 6, 8])
-    PageCopier(target, NUM_BLOCKS).scatter(buffer, 4, 1, [10, 11, 5])  # The first block is held already.
-    for before, after in zip(source, target, strict=True):
-        assert torch.equal(after[torch.tensor([10, 11, 5])], before[torch.tensor([3, 6, 8])])
-        assert not after[2].any() and not after[0].any()
+def test_page_layers_measure_a_chunk() -> None:
+    pages = PageLayers.of(cpu_cache(), NUM_BLOCKS, block_first)
+    assert pages.page_shape == (HEADS, BLOCK, 2 * HEAD_DIM) and pages.dtype == torch.float32
+    assert pages.page_bytes == HEADS * BLOCK * 2 * HEAD_DIM * 4
+    assert pages.chunk_bytes(4) == LAYERS * 4 * pages.page_bytes
 
 
-def test_a_partial_last_chunk_stops_short() -> None:
-    source, target = cpu_cache(seed=4), cpu_cache(seed=None)
-    buffer = chunk(PageCopier(source, NUM_BLOCKS), [2, 3])
-    PageCopier(target, NUM_BLOCKS).scatter(buffer, 2, 0, [7])  # Only the chunk's first block.
-    for before, after in zip(source, target, strict=True):
-        assert torch.equal(after[7], before[2])
-        assert not after[3].any() and int(after.count_nonzero()) == int(after[7].count_nonzero())
-
-
-def test_a_scatter_past_the_chunk_is_refused() -> None:
-    copier = PageCopier(cpu_cache(seed=5), NUM_BLOCKS)
-    with pytest.raises(AssertionError):
-        copier.scatter(chunk(copier, [1, 2]), 2, 1, [3, 4])
-
-
-def test_tensors_without_a_block_dimension_are_refused() -> None:
+@pytest.mark.parametrize("view", [block_first, block_major])
+def test_tensors_without_a_block_dimension_are_refused(view: object) -> None:
     with pytest.raises(ConnectorRefusal, match="no block dimension of size 99"):
-        PageCopier(cpu_cache(seed=None), 99)
+        PageLayers.of(cpu_cache(), 99, view)  # type: ignore[arg-type]
 
 
-def test_layers_of_different_page_shapes_are_refused() -> None:
-    tensors = [*cpu_cache(seed=None), torch.zeros(NUM_BLOCKS, HEADS, BLOCK, HEAD_DIM)]
-    with pytest.raises(ConnectorRefusal, match="differ in page shape"):
-        PageCopier(tensors, NUM_BLOCKS)
+@pytest.mark.parametrize("view", [block_first, block_major])
+def test_layers_of_different_page_shapes_or_dtypes_are_refused(view: object) -> None:
+    other_shape = [*cpu_cache(), torch.zeros(NUM_BLOCKS, HEADS, BLOCK, HEAD_DIM)]
+    with pytest.raises(ConnectorRefusal, match="differ in page shape or dtype"):
+        PageLayers.of(other_shape, NUM_BLOCKS, view)  # type: ignore[arg-type]
+    other_dtype = [*cpu_cache(), torch.zeros(NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD_DIM, dtype=torch.float16)]
+    with pytest.raises(ConnectorRefusal, match="uniform layers only"):
+        PageLayers.of(other_dtype, NUM_BLOCKS, view)  # type: ignore[arg-type]
+
+
+# -- chunks -------------------------------------------------------------------------------
+
+
+def test_a_load_that_starts_and_ends_inside_a_chunk() -> None:
+    blocks = [30, 31, 32, 33, 34, 35, 36, 37, 38]  # 4 blocks a chunk; 2 of chunk 0 held already
+    assert [blocks_before(i, 4, 2) for i in range(4)] == [0, 2, 6, 10]
+    first = chunk_load(0, 4, 2, blocks)
+    assert (first.first, list(first.targets)) == (2, [30, 31])
+    middle = chunk_load(1, 4, 2, blocks)
+    assert (middle.first, list(middle.targets)) == (0, [32, 33, 34, 35])
+    last = chunk_load(2, 4, 2, blocks)
+    assert (last.first, list(last.targets)) == (0, [36, 37, 38])  # stops short of the prompt end
+    assert list(chunk_load(3, 4, 2, blocks).targets) == []  # past the load: nothing
+
+
+def test_save_planning_flattens_every_transfer_with_the_ranks_keys() -> None:
+    a = ChunkTransfer("a", [[b"a0", b"a1"], [b"A0", b"A1"]], block_ids=[1, 2, 3, 4])
+    b = ChunkTransfer("b", [[b"b0"], [b"B0"]], block_ids=[9, 8])
+    plan = plan_saves([a, b], rank=1, per_chunk=2)
+    assert plan.keys == [b"A0", b"A1", b"B0"]
+    assert [list(x) for x in plan.blocks] == [[1, 2], [3, 4], [9, 8]]
+
+
+def test_contiguous_runs() -> None:
+    assert list(contiguous_runs([0, 10, 20, 40, 50, 100], 10)) == [(0, 3, 0), (3, 2, 40), (5, 1, 100)]
+    assert list(contiguous_runs([], 10)) == []

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from kvharbor.config import Config
 from kvharbor.connector.link import CacheLink, RankSwitch
 from kvharbor.connector.vllm.metadata import ChunkTransfer, KVHarborMetadata
 from kvharbor.connector.vllm.worker import WorkerSide
@@ -24,8 +26,11 @@ def caches(seed: int | None) -> dict[str, torch.Tensor]:
     return dict(zip(LAYERS, storage.unbind(0), strict=True))
 
 
-def worker(gateway: RealGateway, kv: dict[str, torch.Tensor]) -> WorkerSide:
+def worker(gateway: RealGateway, kv: dict[str, torch.Tensor], **engine: Any) -> WorkerSide:
+    """A worker on ``kv``; ``engine``: settings of the engine section to change."""
     config = gateway.config
+    if engine:
+        config = Config.model_validate({**config.model_dump(), "engine": {**config.engine.model_dump(), **engine}})
     switch = RankSwitch()
     side = WorkerSide(
         layout(),
@@ -68,6 +73,23 @@ def test_saved_chunks_load_into_other_blocks_of_a_new_worker(real_gateway: RealG
     page = 2 * 128 * 128 * 4  # 2 KV heads x 128 tokens x (K and V of 64) x float32
     assert stats["loaded_chunks"] == 2 and stats["loaded_bytes"] == 2 * len(LAYERS) * 2 * page
     assert stats["cache_off"] == 0
+
+
+def test_the_load_batch_and_save_queue_settings_are_used(real_gateway: RealGateway) -> None:
+    gateway, source, target = real_gateway, caches(seed=5), caches(seed=None)
+    saved(gateway, source)
+    default = worker(gateway, caches(seed=None))
+    side = worker(gateway, target, load_batch_mb=1, save_queue_steps_max=3)  # a chunk is 1 MiB here
+    try:
+        assert default._path is not None and side._path is not None
+        assert (default._path.copy.chunks_per_load, side._path.copy.chunks_per_load) == (256, 1)
+        assert (default._saves.maxsize, side._saves.maxsize) == (64, 3)
+        side.load(KVHarborMetadata(loads=[transfer([K0, K1], [9, 5, 12, 7])]))  # in two gateway requests
+        assert same_pages(target, [9, 5, 12, 7], source, [1, 2, 3, 4])
+        assert side.take_load_errors() == set()
+    finally:
+        default.close()
+        side.close()
 
 
 def test_a_load_may_start_and_end_inside_a_chunk(real_gateway: RealGateway) -> None:

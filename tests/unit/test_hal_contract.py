@@ -20,15 +20,23 @@ from kvharbor.hal.base import STREAM_SLICE_BYTES, BufferTooSmall, Device, Health
 from kvharbor.hal.file import FileDevice
 from kvharbor.hal.ram import RamDevice
 from kvharbor.hal.shm_ram import SharedRamDevice
+from kvharbor.hal.sim.clock import ScaledClock, VirtualClock
+from kvharbor.hal.sim.device import SimCardDevice
+from kvharbor.hal.sim.params import CardParams
 
 MAX_VALUE_BYTES = 64 * 1024
 DeviceFactory = Callable[[Path], Device]
+
+SIM_PARAMS = CardParams(capacity_bytes=64 * MAX_VALUE_BYTES, value_bytes_max=MAX_VALUE_BYTES)
 
 DRIVERS: dict[str, DeviceFactory] = {
     "ram": lambda _: RamDevice("ram", 16 * MAX_VALUE_BYTES, MAX_VALUE_BYTES),
     "file": lambda root: FileDevice("local", str(root), MAX_VALUE_BYTES),
     # The gateway's RAM tier: a region of shared memory (here a plain buffer) at an offset in its segment.
     "shared_ram": lambda _: SharedRamDevice("ram", memoryview(bytearray(32 * MAX_VALUE_BYTES)), 8192, MAX_VALUE_BYTES),
+    # The simulated card, on virtual time and on real time scaled a thousand times faster.
+    "sim": lambda _: SimCardDevice("card", SIM_PARAMS, VirtualClock()),
+    "sim_scaled": lambda _: SimCardDevice("card", SIM_PARAMS, ScaledClock(time_scale=1e-3)),
 }
 
 

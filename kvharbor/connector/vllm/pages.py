@@ -1,22 +1,32 @@
-"""Moving KV pages between vLLM's paged cache tensors and a flat byte buffer.
+"""vLLM's paged KV cache tensors seen as pages: one row per block, every layer alike.
 
 A stored chunk is, for each registered layer in registration order, the pages
 of the chunk's blocks in block order: ``[layer][block][page bytes]``. A page
 is opaque here (its inner layout is the attention backend's business and is
 part of the layout fingerprint); only the block dimension is interpreted.
 
-Copies go straight between the tensors and the caller's buffer (the gateway's
-shared memory): `index_select` writes into a tensor view of the buffer, and
-`index_copy_` reads from one, with no staging copy in between.
+How a page's elements are ordered is the one thing the two copy backends
+store differently, and stored objects depend on it, so each keeps its own:
+
+- the CPU backend stores a page in its **logical** order (`block_first`);
+- the CUDA backend stores a page **as it lies in memory** (`block_major`),
+  so a permuted layout (flash-attn's NHD stride order) costs no transposition.
+
+For a contiguous cache (vLLM's CPU backend) both orders are the same bytes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from math import prod
 
 import torch
 
 from kvharbor.connector.vllm.layout import ConnectorRefusal
+
+PageView = Callable[[torch.Tensor, int], torch.Tensor]
+"""(cache tensor, num_blocks) -> a view of shape (num_blocks, *page shape)."""
 
 
 def find_block_dim(tensor: torch.Tensor, num_blocks: int) -> int:
@@ -30,41 +40,71 @@ def find_block_dim(tensor: torch.Tensor, num_blocks: int) -> int:
     )
 
 
-class PageCopier:
-    def __init__(self, tensors: Sequence[torch.Tensor], num_blocks: int) -> None:
-        assert tensors
-        # Block dimension first, as views: index on dim 0 whatever the backend's order.
-        self.tensors = [t.movedim(find_block_dim(t, num_blocks), 0) for t in tensors]
-        first = self.tensors[0]
-        self.page_shape = tuple(first.shape[1:])
-        self.dtype = first.dtype
-        for t in self.tensors:
-            if tuple(t.shape[1:]) != self.page_shape or t.dtype != self.dtype:
+def block_first(tensor: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """A view of ``tensor`` indexed by block first, each block's elements in logical order."""
+    return tensor.movedim(find_block_dim(tensor, num_blocks), 0)
+
+
+def block_major(tensor: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """A view of ``tensor`` indexed by block first, each block's elements in memory order.
+
+    The dims after the block dim are sorted by stride and merged where dense,
+    so flash-attn's ``(blocks, heads, tokens, 2*head)`` with an NHD stride order
+    becomes ``(blocks, page)``: a gathered page is a plain copy of the block's
+    memory, with no transposition.
+    """
+    dim = find_block_dim(tensor, num_blocks)
+    others = sorted((d for d in range(tensor.dim()) if d != dim), key=lambda d: -tensor.stride()[d])
+    view = tensor.permute(dim, *others)
+    shape: list[int] = []
+    strides: list[int] = []
+    for size, stride in zip(view.shape[1:], view.stride()[1:], strict=True):
+        if size == 1:
+            continue
+        if shape and strides[-1] == stride * size:
+            shape[-1] *= size
+            strides[-1] = stride
+        else:
+            shape.append(size)
+            strides.append(stride)
+    if not shape:
+        shape, strides = [1], [1]
+    return view.as_strided((num_blocks, *shape), (view.stride(0), *strides))
+
+
+@dataclass(frozen=True, slots=True)
+class PageLayers:
+    """The cache's layers as ``(num_blocks, *page_shape)`` views, all of one page shape and dtype."""
+
+    layers: tuple[torch.Tensor, ...]
+    page_shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def of(cls, tensors: Sequence[torch.Tensor], num_blocks: int, view: PageView) -> PageLayers:
+        """Raises `ConnectorRefusal` when a tensor has no block dimension or the layers differ."""
+        if not tensors:
+            raise ConnectorRefusal("vLLM registered no KV cache tensors")
+        layers = tuple(view(t, num_blocks) for t in tensors)
+        first = layers[0]
+        page_shape, dtype = tuple(first.shape[1:]), first.dtype
+        for layer in layers:
+            if tuple(layer.shape[1:]) != page_shape or layer.dtype != dtype:
                 raise ConnectorRefusal(
-                    f"KV cache tensors differ in page shape or dtype ({tuple(t.shape[1:])} {t.dtype} vs "
-                    f"{self.page_shape} {self.dtype}); the connector exchanges uniform layers only"
+                    f"KV cache tensors differ in page shape or dtype ({tuple(layer.shape[1:])} {layer.dtype} vs "
+                    f"{page_shape} {dtype}); the connector exchanges uniform layers only"
                 )
-        self.page_bytes = first[0].numel() * first.element_size()
-        self.device = first.device
+        return cls(layers, page_shape, dtype, first.device)
+
+    @property
+    def page_elems(self) -> int:
+        return prod(self.page_shape)
+
+    @property
+    def page_bytes(self) -> int:
+        return self.page_elems * self.dtype.itemsize
 
     def chunk_bytes(self, blocks: int) -> int:
-        return len(self.tensors) * blocks * self.page_bytes
-
-    def _layer_views(self, buffer: memoryview, blocks: int) -> list[torch.Tensor]:
-        assert buffer.nbytes == self.chunk_bytes(blocks), (buffer.nbytes, self.chunk_bytes(blocks))
-        flat = torch.frombuffer(buffer, dtype=self.dtype)
-        return list(flat.view(len(self.tensors), blocks, *self.page_shape).unbind(0))
-
-    def gather(self, block_ids: Sequence[int], out: memoryview) -> None:
-        """Copy the pages of ``block_ids`` of every layer into ``out``."""
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        for tensor, target in zip(self.tensors, self._layer_views(out, len(block_ids)), strict=True):
-            torch.index_select(tensor, 0, index, out=target)
-
-    def scatter(self, chunk: memoryview, chunk_blocks: int, first: int, block_ids: Sequence[int]) -> None:
-        """Copy pages ``first .. first + len(block_ids)`` of a stored chunk of
-        ``chunk_blocks`` blocks into ``block_ids``."""
-        assert first >= 0 and first + len(block_ids) <= chunk_blocks, (first, len(block_ids), chunk_blocks)
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        for tensor, source in zip(self.tensors, self._layer_views(chunk, chunk_blocks), strict=True):
-            tensor.index_copy_(0, index, source[first : first + len(block_ids)])
+        """Bytes of a stored chunk of ``blocks`` blocks: every layer's pages."""
+        return len(self.layers) * blocks * self.page_bytes

@@ -1,16 +1,20 @@
 """The worker half: restore planned chunks into the paged cache, save completed ones.
 
-Loads run before the forward pass (they are planned as synchronous loads), one
-batched gateway request per step, copied straight from shared memory into the
-allocated blocks. A chunk that cannot be loaded (miss, corrupt, cache off)
-reports its blocks as load errors, and vLLM recomputes them: a failed load
-costs time, never a wrong token.
+Loads run before the forward pass (they are planned as synchronous loads),
+streamed from the gateway in requests of ``engine.load_batch_mb`` and copied
+straight from shared memory into the allocated blocks. A chunk that cannot be
+loaded (miss, corrupt, cache off, a load cut short because the rest would
+arrive slower than it recomputes) reports its blocks as load errors, and vLLM
+recomputes them: a failed load costs time, never a wrong token.
 
-Saves copy each completed chunk's pages into shared memory at the end of the
-step (the blocks may be reused by the next step) and hand the commit — the
-storage write — to a background thread, so the storage write is off the
-engine's critical path. Loads and saves use separate gateway connections so a
-slow storage write never delays a load.
+Saves take each completed chunk's pages before the step's blocks may be
+reused (gathered into device staging during the forward pass on a GPU; copied
+into shared memory at the end of the step on the CPU) and hand the rest — the
+copy out of staging and the commit, the storage write — to a background
+thread, so the storage write is off the engine's critical path. Loads and
+saves use separate gateway connections so a slow storage write never delays
+a load. The copies themselves are `datapath.DataPath`'s, one algorithm on
+either device.
 """
 
 from __future__ import annotations
@@ -18,35 +22,34 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from kvharbor.cache.bandwidth import keep_loading
 from kvharbor.config import Config
 from kvharbor.connector.link import CacheLink
-from kvharbor.connector.vllm.gpu import GpuPages, GpuWorkerPath, StepTimer
+from kvharbor.connector.vllm.copier import PageCopy
+from kvharbor.connector.vllm.datapath import DataPath, SaveParts
+from kvharbor.connector.vllm.device_copy import DeviceCopy
+from kvharbor.connector.vllm.host_copy import HostCopy
 from kvharbor.connector.vllm.layout import ConnectorRefusal, VllmLayout
 from kvharbor.connector.vllm.metadata import ChunkTransfer, KVHarborMetadata
-from kvharbor.connector.vllm.pages import PageCopier
+from kvharbor.connector.vllm.pinning import cuda_host_register
 from kvharbor.connector.vllm.stats import empty
-from kvharbor.telemetry.log import get_logger
+from kvharbor.connector.vllm.timing import StepTimer
+from kvharbor.telemetry.log import OnceLog, get_logger
 
 _log = get_logger("kvharbor.connector.vllm")
-
-SAVE_QUEUE_MAX = 64
-"""Steps whose saves may wait for the storage at once; past it a step's saves are dropped."""
 
 
 @dataclass(frozen=True, slots=True)
 class _SaveJob:
-    items: list[tuple[bytes, int]]
-    fill: Callable[[int, memoryview], None]
+    parts: SaveParts
+    chunk_bytes: int
     filled: threading.Event
-    settle: Callable[[], None] | None = None
-    """GPU: make the staged device-to-host copies and wait for them, before the commit."""
-    done: Callable[[], None] | None = None
-    """GPU: give the device staging back, whatever became of the store."""
+    """Set once every value's bytes are in shared memory (or the store gave up)."""
 
 
 class WorkerSide:
@@ -59,49 +62,40 @@ class WorkerSide:
         self.fingerprint = layout.digests[rank]
         self._load_link = load_link
         self._save_link = save_link
-        self._copier: PageCopier | None = None
-        self._gpu: GpuWorkerPath | None = None
-        """The GPU data path (`gpu`), when the KV cache is on a CUDA device."""
+        self._path: DataPath | None = None
         self._timer: StepTimer | None = None
         self._load_errors: set[int] = set()
         self._stats = empty()
         self._stats_lock = threading.Lock()
-        self._saves: queue.Queue[_SaveJob | None] = queue.Queue(maxsize=SAVE_QUEUE_MAX)
+        self._once = OnceLog(_log)
+        self._saves: queue.Queue[_SaveJob | None] = queue.Queue(maxsize=config.engine.save_queue_steps_max)
         self._saver = threading.Thread(target=self._save_loop, name="kvharbor-saver", daemon=True)
         self._saver.start()
 
     def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
         tensors = list(kv_caches.values())
-        self._timer = StepTimer(tensors[0].device)
-        if tensors[0].is_cuda:
-            self._register_gpu(kv_caches, num_blocks)
-            return
-        self._copier = PageCopier(tensors, num_blocks)
-        copier = self._copier
-        self._check_chunk_bytes(copier.chunk_bytes(self.layout.blocks_per_chunk))
-        chunk_mib = copier.chunk_bytes(self.layout.blocks_per_chunk) / 2**20
+        engine, per_chunk = self.config.engine, self.layout.blocks_per_chunk
+        device = tensors[0].device
+        on_gpu = device.type == "cuda"
+        copy: PageCopy
+        if on_gpu:
+            copy = DeviceCopy(tensors, num_blocks, per_chunk, engine.load_batch_bytes, engine.save_staging_bytes_max)
+        else:
+            copy = HostCopy(tensors, num_blocks, per_chunk, engine.load_batch_bytes)
+        self._check_chunk_bytes(copy.chunk_bytes)
         _log.info(
-            "kvharbor: %d cache tensors registered (rank %d, page %d B, %.2f MiB per %d-token chunk; layout %s)",
-            len(kv_caches), self.rank, copier.page_bytes, chunk_mib, self.layout.chunk_size,
-            self.layout.fingerprints[self.rank].short(),
+            "kvharbor: %d %scache tensors registered (rank %d, page %d B, %.2f MiB per %d-token chunk; layout %s)",
+            len(kv_caches), "GPU " if on_gpu else "", self.rank, copy.pages.page_bytes, copy.chunk_bytes / 2**20,
+            self.layout.chunk_size, self.layout.fingerprints[self.rank].short(),
+        )  # fmt: skip
+        self._timer = StepTimer(device)
+        self._path = DataPath(
+            copy, list(kv_caches), self._load_link, self._save_link, self.rank, self.fingerprint, self._count,
+            engine, register=cuda_host_register if on_gpu else None,
         )  # fmt: skip
         # Connect now: an embedded gateway starts here, not in the first request's path.
-        self._load_link.start()
-        self._save_link.start()
-
-    def _register_gpu(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
-        pages = GpuPages(list(kv_caches.values()), num_blocks, self.layout.blocks_per_chunk)
-        self._check_chunk_bytes(pages.chunk_bytes)
-        _log.info(
-            "kvharbor: %d GPU cache tensors registered (rank %d, page %d B, %.2f MiB per %d-token chunk; layout %s)",
-            len(kv_caches), self.rank, pages.page_bytes, pages.chunk_bytes / 2**20, self.layout.chunk_size,
-            self.layout.fingerprints[self.rank].short(),
-        )  # fmt: skip
-        self._gpu = GpuWorkerPath(
-            pages, list(kv_caches), self._load_link, self._save_link, self.rank, self.fingerprint, self._count
-        )
         if self._load_link.start() and self._save_link.start():
-            self._gpu.pin()
+            self._path.map()
 
     def _check_chunk_bytes(self, registered: int) -> None:
         """The scheduler looks up values of `VllmLayout.chunk_bytes`: a worker whose chunks
@@ -114,12 +108,12 @@ class WorkerSide:
                 "are not supported"
             )
 
-    # -- steps (GPU and timing) --------------------------------------------------------
+    # -- steps --------------------------------------------------------------------------
 
     def begin_step(self, meta: KVHarborMetadata) -> None:
         """The step's metadata is bound; its forward pass follows."""
-        if self._gpu is not None:
-            self._gpu.begin_step(meta)
+        if self._path is not None:
+            self._path.begin_step(meta)
         if self._timer is not None:
             if meta.step_flops > 0 and not meta.loads:
                 self._timer.begin()
@@ -127,30 +121,26 @@ class WorkerSide:
                 self._timer.cancel()
 
     def wait_layer(self, layer_name: str) -> None:
-        if self._gpu is not None:
-            self._gpu.wait_layer(layer_name)
+        if self._path is not None:
+            self._path.wait_layer(layer_name)
 
     def save_layer(self, layer_name: str) -> None:
-        if self._gpu is not None:
-            self._gpu.save_layer(layer_name)
+        if self._path is not None:
+            self._path.save_layer(layer_name)
 
     # -- loads -------------------------------------------------------------------
 
     def load(self, meta: KVHarborMetadata) -> None:
-        """Restore the step's loads. A request whose load falls short keeps none of the
-        step's saves (``meta.saves`` is this worker's copy: pickled to it, or, in the
-        scheduler's process, built for this step and not read again)."""
-        copier = self._copier
-        if (copier is None and self._gpu is None) or not meta.loads:
+        """Restore the step's loads. A request whose load falls short (a miss, or cut)
+        keeps none of the step's saves (``meta.saves`` is this worker's copy: pickled to
+        it, or, in the scheduler's process, built for this step and not read again)."""
+        path = self._path
+        if path is None or not meta.loads:
             return
         started = time.perf_counter()
         failed: set[str] = set()
         for transfer in meta.loads:
-            if self._gpu is not None:
-                loaded_blocks = self._gpu.load(transfer)
-            else:
-                assert copier is not None
-                loaded_blocks = self._load_one(copier, transfer)
+            loaded_blocks = path.load(transfer, self._load_cut(transfer, path.copy.chunk_bytes))
             self._load_errors.update(transfer.block_ids[loaded_blocks:])
             self._count(load_errors=len(transfer.block_ids) - loaded_blocks)
             if loaded_blocks < len(transfer.block_ids):
@@ -162,25 +152,28 @@ class WorkerSide:
             # it then (`SchedulerSide.observe_load_errors`).
             meta.saves = [save for save in meta.saves if save.request_id not in failed]
 
-    def _load_one(self, copier: PageCopier, transfer: ChunkTransfer) -> int:
-        """Load as many leading blocks of ``transfer`` as the cache holds; returns that count."""
-        per_chunk = self.layout.blocks_per_chunk
-        expected = copier.chunk_bytes(per_chunk)
-        loaded = 0
+    def _load_cut(self, transfer: ChunkTransfer, chunk_bytes: int) -> Callable[[int], bool]:
+        """The load-cut policy of one transfer: asked with the chunks restored so far, whether
+        the rest still arrives faster than the engine recomputes it (`keep_loading`)."""
+        started = time.perf_counter()
+        chunks = transfer.chunks
 
-        def sink(i: int, value: memoryview) -> None:
-            nonlocal loaded
-            if value.nbytes != expected or loaded != _blocks_before(i, per_chunk, transfer.skip_blocks):
-                return  # Another layout's bytes, or a gap: load nothing more.
-            first = transfer.skip_blocks if i == 0 else 0
-            take = min(per_chunk - first, len(transfer.block_ids) - loaded)
-            copier.scatter(value, per_chunk, first, transfer.block_ids[loaded : loaded + take])
-            loaded += take
-            self._count(loaded_chunks=1, loaded_bytes=value.nbytes)
+        def proceed(done: int) -> bool:
+            elapsed_s = time.perf_counter() - started
+            left = transfer.recompute_s[done:] if transfer.recompute_s else None
+            if keep_loading(elapsed_s, done * chunk_bytes, (chunks - done) * chunk_bytes, sum(left) if left else None):
+                return True
+            self._count(loads_cut=1)
+            self._once.say(
+                "cut",
+                f"a restore was stopped after {done} of {chunks} chunks: at the "
+                f"{done * chunk_bytes / elapsed_s / 1e9:.2f} GB/s it got, the rest "
+                "arrives slower than it recomputes (recomputed instead; said once)",
+                20,
+            )
+            return False
 
-        self._load_link.load(self.fingerprint, transfer.keys[self.rank], sink)
-        assert 0 <= loaded <= len(transfer.block_ids)
-        return loaded
+        return proceed
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -189,72 +182,55 @@ class WorkerSide:
     # -- saves -------------------------------------------------------------------
 
     def save(self, meta: KVHarborMetadata) -> None:
-        """Copy this step's completed chunks into shared memory; the commit runs behind."""
+        """Take this step's completed chunks before its blocks may be reused; the copy
+        out of staging (GPU) and the commit run behind the engine, on the saver thread."""
+        path = self._path
         if self._timer is not None:
-            if self._gpu is not None and self._gpu.stalled:
+            if path is not None and path.stalled:
                 self._timer.cancel()  # The forward waited for save staging: not a prefill sample.
             else:
                 self._timer.end(meta.step_flops)
-        if self._gpu is not None:
-            self._save_gpu(self._gpu, meta)
+        if path is None:
             return
-        copier = self._copier
-        if copier is None or not meta.saves or self._save_link.is_off:
-            return
-        per_chunk = self.layout.blocks_per_chunk
-        size = copier.chunk_bytes(per_chunk)
-        items: list[tuple[bytes, int]] = []
-        blocks: list[Sequence[int]] = []
-        for transfer in meta.saves:
-            for i, key in enumerate(transfer.keys[self.rank]):
-                items.append((key, size))
-                blocks.append(transfer.block_ids[i * per_chunk : (i + 1) * per_chunk])
-        job = _SaveJob(items, lambda i, view: copier.gather(blocks[i], view), threading.Event())
-        try:
-            self._saves.put_nowait(job)
-        except queue.Full:
-            _log.warning("kvharbor: %d saves waiting for storage; this step's %d chunks are not saved",
-                         SAVE_QUEUE_MAX, len(items))  # fmt: skip
-            return
-        # The pages must be copied before the step ends; the storage write need not.
-        job.filled.wait(self.config.gateway.request_timeout_ms / 1000 * 2)
-
-    def _save_gpu(self, gpu: GpuWorkerPath, meta: KVHarborMetadata) -> None:
-        """The step's gathers are queued on the GPU; the saver thread copies them out
-        and commits, behind the engine (the staging is the job's own)."""
-        parts = gpu.end_step(meta)
+        parts = path.end_step(meta)
         if parts is None:
             return
-        size = gpu.pages.chunk_bytes
-        job = _SaveJob([(k, size) for k in parts.keys], parts.fill, threading.Event(), parts.settle, parts.done)
+        job = _SaveJob(parts, path.copy.chunk_bytes, threading.Event())
         try:
             self._saves.put_nowait(job)
         except queue.Full:
             parts.done()
-            _log.warning("kvharbor: %d saves waiting for storage; this step's %d chunks are not saved",
-                         SAVE_QUEUE_MAX, len(parts.keys))  # fmt: skip
+            _log.warning(
+                "kvharbor: %d steps' saves waiting for storage (engine.save_queue_steps_max); this step's %d "
+                "chunks are not saved", self._saves.maxsize, len(parts.keys),
+            )  # fmt: skip
+            return
+        if parts.fill_before_step_end:
+            # The pages are read from the blocks, which the next step may reuse; the storage write need not wait.
+            job.filled.wait(self.config.gateway.request_timeout_ms / 1000 * 2)
 
     def _save_loop(self) -> None:
         while (job := self._saves.get()) is not None:
             started = time.perf_counter()
-            settle = job.settle
+            parts = job.parts
+            items = [(key, job.chunk_bytes) for key in parts.keys]
 
-            def filled(job: _SaveJob = job, settle: Callable[[], None] | None = settle) -> None:
-                if settle is not None:
-                    settle()
-                job.filled.set()
+            def filled(parts: SaveParts = parts, event: threading.Event = job.filled) -> None:
+                # The one place where every filled value's bytes are known to be complete in
+                # shared memory (after the staged copies have landed), before the commit.
+                parts.settle()
+                event.set()
 
             try:
-                stored = self._save_link.store(self.fingerprint, job.items, job.fill, on_filled=filled)
+                stored = self._save_link.store(self.fingerprint, items, parts.fill, on_filled=filled)
             finally:
                 job.filled.set()
-                if job.done is not None:
-                    job.done()
+                parts.done()
             self._count(
                 saves=1,
                 save_s=time.perf_counter() - started,
                 stored_chunks=stored,
-                stored_bytes=stored * job.items[0][1],
+                stored_bytes=stored * job.chunk_bytes,
                 cache_off=int(self._save_link.is_off),
             )
 
@@ -273,8 +249,8 @@ class WorkerSide:
     def close(self) -> None:
         self._saves.put(None)
         self._saver.join(timeout=self.config.gateway.request_timeout_ms / 1000 * 2)
-        if self._gpu is not None:
-            self._gpu.close()  # Unpin before the links unmap their shared memory.
+        if self._path is not None:
+            self._path.close()  # Unpin before the links unmap their shared memory.
         self._load_link.close()
         self._save_link.close()
 
@@ -285,8 +261,3 @@ class WorkerSide:
                     self._stats[name] = max(self._stats[name], delta)
                 else:
                     self._stats[name] = self._stats.get(name, 0) + delta
-
-
-def _blocks_before(chunk: int, per_chunk: int, skip_blocks: int) -> int:
-    """Blocks a transfer loads before its chunk ``chunk`` (the first chunk may be partial)."""
-    return 0 if chunk == 0 else chunk * per_chunk - skip_blocks

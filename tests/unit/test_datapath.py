@@ -1,14 +1,17 @@
-"""The GPU data path's logic (`kvharbor.connector.vllm.gpu`), on CPU tensors.
+"""The worker's data path (`datapath`, the copy backends, `pinning`, `streams`, `timing`) on CPU tensors.
 
-CI has no GPU: streams and events are no-ops on the CPU, and everything else —
-the block-major views, gathering, staging, scatter, partial chunks, runs of
-adjacent chunks, the staging budget, pinning failures, the streamed load with
-its waits — runs the same code as on the H200 (bench/gpu.py runs it there).
+One set of pipeline tests runs over both copy backends: `HostCopy` (the CPU
+engine's) and `DeviceCopy` (the GPU engine's), whose streams and events are
+no-ops on the CPU. Everything else of the GPU path — the block-major views,
+gathering, staging, scatter, partial chunks, runs of adjacent chunks, the
+staging budget, pinning failures, the streamed load with its waits — runs the
+same code as on the H200 (bench/gpu.py runs it there).
 """
 
 from __future__ import annotations
 
 import ctypes
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,18 +22,16 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
-from kvharbor.connector.link import CacheLink  # noqa: E402
-from kvharbor.connector.vllm.gpu import (  # noqa: E402
-    GpuPages,
-    GpuWorkerPath,
-    PinError,
-    PinnedMapping,
-    StepTimer,
-    block_major,
-    contiguous_runs,
-)
+from kvharbor.config import Config, EngineSection  # noqa: E402
+from kvharbor.connector.link import CacheLink, RankSwitch  # noqa: E402
+from kvharbor.connector.vllm.copier import PageCopy  # noqa: E402
+from kvharbor.connector.vllm.datapath import DataPath  # noqa: E402
+from kvharbor.connector.vllm.device_copy import DeviceCopy  # noqa: E402
+from kvharbor.connector.vllm.host_copy import HostCopy  # noqa: E402
 from kvharbor.connector.vllm.metadata import ChunkTransfer, KVHarborMetadata  # noqa: E402
-from kvharbor.connector.vllm.pages import PageCopier  # noqa: E402
+from kvharbor.connector.vllm.pages import block_first, block_major  # noqa: E402
+from kvharbor.connector.vllm.pinning import PinError, PinnedMapping  # noqa: E402
+from kvharbor.connector.vllm.timing import StepTimer  # noqa: E402
 from kvharbor.gateway.client import GatewayRefused, GatewayUnavailable, GetBatch  # noqa: E402
 from kvharbor.gateway.protocol import ErrorCode  # noqa: E402
 
@@ -38,6 +39,8 @@ BLOCKS = 40
 HEADS, TOKENS, HEAD2 = 2, 16, 8  # per layer: (blocks, heads, tokens, 2*head)
 LAYERS = 3
 PER_CHUNK = 4
+BACKENDS = ["host", "device"]
+NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 
 
 def flash_nhd(blocks: int = BLOCKS) -> torch.Tensor:
@@ -49,9 +52,17 @@ def layers(make: Callable[[], torch.Tensor] = flash_nhd) -> list[torch.Tensor]:
     return [make() for _ in range(LAYERS)]
 
 
-def block_bytes(t: torch.Tensor, b: int) -> bytes:
-    """Block b's memory as it lies (what the GPU path stores)."""
-    view = block_major(t, BLOCKS)[b]
+def make_copy(
+    backend: str, tensors: list[torch.Tensor], load_batch_bytes: int = 1, save_staging_bytes_max: int = 1 << 30
+) -> PageCopy:
+    if backend == "host":
+        return HostCopy(tensors, BLOCKS, PER_CHUNK, load_batch_bytes)
+    return DeviceCopy(tensors, BLOCKS, PER_CHUNK, load_batch_bytes, save_staging_bytes_max)
+
+
+def stored_block(backend: str, t: torch.Tensor, b: int) -> bytes:
+    """Block b as the backend stores it: in logical order (host), as it lies in memory (device)."""
+    view = (block_first if backend == "host" else block_major)(t, BLOCKS)[b]
     return view.contiguous().numpy().tobytes()
 
 
@@ -67,63 +78,45 @@ class Shm:
         return self.view[offset : offset + size]
 
 
-# -- views and runs ---------------------------------------------------------------
+def save_chunks(copy: PageCopy, chunks: list[list[int]], shm: Shm, offsets: list[int]) -> None:
+    """The save pipeline as the worker drives it: open, gather (some layers), close, stage, flush, wait."""
+    save = copy.open_save(chunks, 0)
+    assert save is not None and save.chunks == len(chunks)
+    for layer in (2, 0):  # the forward pass reports some layers; close gathers the rest
+        save.gather_layer(layer)
+    save.close()
+    for c, offset in enumerate(offsets):
+        save.stage(c, shm.mapping, shm.span(offset, copy.chunk_bytes))
+    save.flush(shm.mapping)()
+    save.release()
 
 
-def test_block_major_keeps_each_block_as_it_lies_in_memory() -> None:
-    t = flash_nhd()
-    view = block_major(t, BLOCKS)
-    assert view.shape == (BLOCKS, HEADS * TOKENS * HEAD2) and view.stride() == (HEADS * TOKENS * HEAD2, 1)
-    raw = t.permute(0, 2, 1, 3).contiguous()  # the NHD memory
-    assert torch.equal(view[7], raw[7].reshape(-1))
-    contiguous = torch.randn(BLOCKS, HEADS, TOKENS, HEAD2)
-    assert torch.equal(block_major(contiguous, BLOCKS)[3], contiguous[3].reshape(-1))
+# -- both backends ------------------------------------------------------------------
 
 
-def test_block_major_handles_a_kv_dimension_before_the_blocks() -> None:
-    t = torch.randn(2, BLOCKS, TOKENS, HEADS, HEAD2 // 2)  # K and V apart: a block is two ranges
-    view = block_major(t, BLOCKS)
-    assert view.shape == (BLOCKS, 2, TOKENS * HEADS * HEAD2 // 2)
-    assert torch.equal(view[5, 1], t[1, 5].reshape(-1))
-
-
-def test_contiguous_runs() -> None:
-    assert list(contiguous_runs([0, 10, 20, 40, 50, 100], 10)) == [(0, 3, 0), (3, 2, 40), (5, 1, 100)]
-    assert list(contiguous_runs([], 10)) == []
-
-
-# -- saves and loads through a stand-in segment -----------------------------------
-
-
-def test_save_then_restore_round_trip_with_partial_chunks() -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_save_then_restore_round_trip_with_partial_chunks(backend: str) -> None:
     src = layers()
-    pages = GpuPages(src, BLOCKS, PER_CHUNK, load_batch_bytes=1)
-    size = pages.chunk_bytes
+    saver = make_copy(backend, src)
+    size = saver.chunk_bytes
     assert size == LAYERS * PER_CHUNK * HEADS * TOKENS * HEAD2 * 4
     chunks = [[1, 9, 3, 30], [4, 5, 6, 7], [20, 2, 11, 12]]
     shm = Shm(8 * size)
-    save = pages.open_save(chunks)
-    assert save is not None and save.chunks == 3
-    for i in (2, 0):  # the forward pass reports some layers; close_save gathers the rest
-        pages.gather_layer(save, i)
-    pages.close_save(save)
     offsets = [5 * size, 0, size]  # chunk 0 apart, chunks 1 and 2 back to back
-    for c, offset in enumerate(offsets):
-        pages.stage_save(save, c, shm.mapping, shm.span(offset, size))
-    pages.flush_save(save, shm.mapping)()
-    pages.release_save(save)
-    assert pages.staging_bytes == 0
-    for c, offset in enumerate(offsets):  # stored as [layer][block][page as in memory]
-        expected = b"".join(block_bytes(src[layer], b) for layer in range(LAYERS) for b in chunks[c])
+    save_chunks(saver, chunks, shm, offsets)
+    for c, offset in enumerate(offsets):  # stored as [layer][block][page]
+        expected = b"".join(stored_block(backend, src[layer], b) for layer in range(LAYERS) for b in chunks[c])
         assert bytes(shm.span(offset, size)) == expected
 
     dst = [torch.zeros_like(t) for t in src]
-    loader = GpuPages(dst, BLOCKS, PER_CHUNK, load_batch_bytes=2 * size)
+    loader = make_copy(backend, dst, load_batch_bytes=2 * size)
     assert loader.chunks_per_load == 2
     # Restore chunk 0 from its block 1 on (the first block was a local hit), chunk 1
     # whole, then chunk 2's first two blocks (the load stops short of the prompt end).
     loader.stage_load(shm.mapping, shm.span(offsets[0], size), 1, [21, 22, 23])
     loader.stage_load(shm.mapping, shm.span(offsets[1], size), 0, [24, 25, 26, 27])
+    with pytest.raises(RuntimeError, match="flush_load after chunks_per_load"):
+        loader.stage_load(shm.mapping, shm.span(offsets[2], size), 0, [28, 29])
     loader.flush_load(shm.mapping)()
     loader.stage_load(shm.mapping, shm.span(offsets[2], size), 0, [28, 29])
     loader.flush_load(shm.mapping)()
@@ -138,39 +131,72 @@ def test_save_then_restore_round_trip_with_partial_chunks() -> None:
                 assert not dst[layer][b].any(), (layer, b)  # nothing else written
 
 
-def test_same_bytes_as_the_cpu_path_for_contiguous_caches() -> None:
-    """The CPU backend's PageCopier stores logical order; for a contiguous cache that
-    is memory order, so both paths store identical bytes."""
+def test_both_backends_store_the_same_bytes_for_contiguous_caches() -> None:
+    """The host stores logical order, the device memory order: for a contiguous cache
+    (vLLM's CPU backend) those are the same bytes."""
     src = layers(lambda: torch.randn(BLOCKS, HEADS, TOKENS, HEAD2))
-    pages = GpuPages(src, BLOCKS, PER_CHUNK)
-    shm = Shm(pages.chunk_bytes)
-    save = pages.open_save([[3, 1, 4, 15]])
+    stored = []
+    for backend in BACKENDS:
+        copy = make_copy(backend, src)
+        shm = Shm(copy.chunk_bytes)
+        save_chunks(copy, [[3, 1, 4, 15]], shm, [0])
+        stored.append(bytes(shm.buffer))
+    assert stored[0] == stored[1]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_what_a_save_reads_after_the_step(backend: str) -> None:
+    """A device save holds a snapshot once closed (the step's blocks may be reused, the saver
+    thread copies later); a host save reads the blocks when staged, so the step waits for it."""
+    src = layers()
+    copy = make_copy(backend, src)
+    before = b"".join(stored_block(backend, src[layer], b) for layer in range(LAYERS) for b in (1, 2, 3, 4))
+    save = copy.open_save([[1, 2, 3, 4]], 0)
     assert save is not None
-    pages.close_save(save)
-    pages.stage_save(save, 0, shm.mapping, shm.span(0, pages.chunk_bytes))
-    pages.flush_save(save, shm.mapping)()
-    reference = memoryview(bytearray(pages.chunk_bytes))
-    PageCopier(src, BLOCKS).gather([3, 1, 4, 15], reference)
-    assert bytes(shm.span(0, pages.chunk_bytes)) == bytes(reference)
+    save.close()
+    for t in src:
+        t[1:5] = 0  # the next step reuses the blocks
+    shm = Shm(copy.chunk_bytes)
+    save.stage(0, shm.mapping, shm.span(0, copy.chunk_bytes))
+    save.flush(shm.mapping)()
+    save.release()
+    assert copy.snapshots_saves == (backend == "device")
+    assert (bytes(shm.buffer) == before) == copy.snapshots_saves
 
 
-def test_uniform_layers_only() -> None:
-    from kvharbor.connector.vllm.layout import ConnectorRefusal
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_wrong_sizes_and_blocks_past_a_chunk_are_refused(backend: str) -> None:
+    copy = make_copy(backend, layers())
+    shm = Shm(2 * copy.chunk_bytes)
+    with pytest.raises(ValueError, match="where"):
+        copy.stage_load(shm.mapping, shm.span(0, copy.chunk_bytes - 1), 0, [1])
+    with pytest.raises(ValueError, match=r"blocks 3 \.\. 5"):
+        copy.stage_load(shm.mapping, shm.span(0, copy.chunk_bytes), 3, [1, 2])
+    save = copy.open_save([[1, 2, 3, 4]], 0)
+    assert save is not None
+    save.close()
+    with pytest.raises(ValueError, match="not a whole chunk"):
+        save.stage(0, shm.mapping, shm.span(0, copy.chunk_bytes // 2))
+    save.release()
 
-    with pytest.raises(ConnectorRefusal):
-        GpuPages([flash_nhd(), torch.randn(BLOCKS, HEADS, TOKENS, 2 * HEAD2)], BLOCKS, PER_CHUNK)
+
+# -- the device backend ----------------------------------------------------------------
 
 
-def test_save_staging_is_bounded() -> None:
-    pages = GpuPages(layers(), BLOCKS, PER_CHUNK, save_staging_bytes_max=1)
-    size = pages.chunk_bytes
-    assert pages.save_staging_bytes_max == size  # at least one chunk
-    first = pages.open_save([[1, 2, 3, 4], [5, 6, 7, 8]])
+def test_device_save_staging_is_bounded() -> None:
+    copy = DeviceCopy(layers(), BLOCKS, PER_CHUNK, 1, save_staging_bytes_max=1)
+    size = copy.chunk_bytes
+    assert copy.save_staging_bytes_max == size  # at least one chunk
+    first = copy.open_save([[1, 2, 3, 4], [5, 6, 7, 8]], 5.0)
     assert first is not None and first.chunks == 1  # the rest does not fit
-    assert pages.open_save([[9, 10, 11, 12]], wait_s=0) is None  # full: skipped, no wait
-    pages.release_save(first)
-    again = pages.open_save([[9, 10, 11, 12]], wait_s=0)
-    assert again is not None and pages.staging_bytes == size
+    assert copy.open_save([[9, 10, 11, 12]], 0) is None  # full: skipped, no wait
+    first.release()
+    first.release()  # once only
+    again = copy.open_save([[9, 10, 11, 12]], 0)
+    assert again is not None and copy.staging_bytes == size
+
+
+# -- pinning, timing --------------------------------------------------------------------
 
 
 def test_pinned_mapping_offsets_and_register_calls() -> None:
@@ -184,19 +210,22 @@ def test_pinned_mapping_offsets_and_register_calls() -> None:
         unregister=lambda a: calls.append(("unregister", a, 0)),
     )
     # One registration, read-write: the GPU writes puts in place into the RAM tiers too.
-    assert calls == [("register", base, 1 << 16)]
+    assert calls == [("register", base, 1 << 16)] and pin.registered
     assert pin.offset(view[4096:8192]) == 4096
+    with pytest.raises(ValueError, match="outside this 65536 B mapping"):
+        pin.offset(memoryview(bytearray(16)))
     pin.tensor[4096] = 7
     assert shm[4096] == 7
     pin.close()
     pin.close()
-    assert calls[1:] == [("unregister", base, 0)]
+    assert calls[1:] == [("unregister", base, 0)] and not pin.registered
     view.release()  # the mapping left no export behind: the owner can unmap
 
 
 def test_step_timer_on_cpu() -> None:
     timer = StepTimer(torch.device("cpu"))
     timer.begin()
+    torch.randn(64, 64) @ torch.randn(64, 64)
     timer.end(1e12)
     timer.begin()
     timer.cancel()
@@ -241,9 +270,6 @@ class FakeClient:
 def streamed(
     client: FakeClient, keys: list[bytes], per_get: int, proceed: Callable[[int], bool] | None = None
 ) -> tuple[int, list[int], CacheLink]:
-    from kvharbor.config import Config
-    from kvharbor.connector.link import RankSwitch
-
     link = CacheLink(Config(), "test", connect=lambda c, n: client, switch=RankSwitch())  # type: ignore[arg-type,return-value]
     sunk: list[int] = []
     flushes = iter(range(1, 100))
@@ -296,7 +322,7 @@ def test_load_streamed_after_a_lost_gateway_counts_nothing_in_flight() -> None:
     assert done == 3 and events == ["get1", "get2", "wait1", "release1", "wait2"] and link.is_off
 
 
-# -- the worker's GPU half against a real gateway (CPU tensors) ----------------------
+# -- the data path against a real gateway (CPU tensors) ------------------------------
 
 
 @pytest.fixture
@@ -318,11 +344,9 @@ def gateway_config(tmp_path: Path) -> Iterator[Any]:
         path.unlink(missing_ok=True)
 
 
-def worker_path(
-    config: Any, tensors: list[torch.Tensor], register: Any = None
-) -> tuple[GpuWorkerPath, dict[str, float]]:
-    from kvharbor.connector.link import RankSwitch
-
+def data_path(
+    config: Any, copy: PageCopy, register: Any = None, links: tuple[CacheLink, CacheLink] | None = None
+) -> tuple[DataPath, dict[str, float]]:
     switch = RankSwitch()
     counts: dict[str, float] = {}
 
@@ -330,108 +354,100 @@ def worker_path(
         for k, v in deltas.items():
             counts[k] = counts.get(k, 0) + v
 
-    pages = GpuPages(tensors, BLOCKS, PER_CHUNK, load_batch_bytes=1)
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-    path = GpuWorkerPath(
-        pages,
-        names,
-        CacheLink(config, "load", switch=switch),
-        CacheLink(config, "save", switch=switch),
-        0,
-        b"F" * 16,
-        count,
-        register=register,
-    )
+    load, save = links or (CacheLink(config, "load", switch=switch), CacheLink(config, "save", switch=switch))
+    path = DataPath(copy, NAMES, load, save, 0, b"F" * 16, count, EngineSection(), register=register)
     return path, counts
 
 
-def test_worker_gpu_path_saves_and_restores_through_the_gateway(gateway_config: Any) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_data_path_saves_and_restores_through_the_gateway(gateway_config: Any, backend: str) -> None:
     src = layers()
-    saver, _ = worker_path(gateway_config, src)
+    saver, _ = data_path(gateway_config, make_copy(backend, src))
     try:
-        assert saver.pin() and len(saver.pins) == 2
+        assert saver.map() and len(saver.mappings) == 2
         keys = [bytes([9, i]) * 8 for i in range(3)]
         save = ChunkTransfer("r", [keys], block_ids=[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12])
         meta = KVHarborMetadata(saves=[save])
         saver.begin_step(meta)
-        for i in range(LAYERS):
-            saver.save_layer(f"model.layers.{i}.self_attn.attn")
+        for name in NAMES:
+            saver.save_layer(name)
         parts = saver.end_step(meta)
         assert parts is not None and parts.keys == keys
-        store_link = saver._save_link
-        stored = store_link.store(
-            saver.fingerprint, [(k, saver.pages.chunk_bytes) for k in keys], parts.fill, parts.settle
-        )
+        assert parts.fill_before_step_end == (backend == "host")
+        items = [(k, saver.copy.chunk_bytes) for k in keys]
+        stored = saver._save_link.store(saver.fingerprint, items, parts.fill, parts.settle)
         parts.done()
         assert stored == 3
 
         dst = [torch.zeros_like(t) for t in src]
-        loader, counts = worker_path(gateway_config, dst)
-        assert loader.pin()
+        loader, counts = data_path(gateway_config, make_copy(backend, dst))
+        assert loader.map()
         load = ChunkTransfer("r", [keys], block_ids=[30, 31, 32, 33, 34, 35, 36, 37, 38], skip_blocks=2)
         loader.begin_step(KVHarborMetadata(loads=[load]))
-        # Chunk 0 from its third block (two blocks were a local hit) + chunk 1 + 3 blocks of chunk 2.
-        assert loader.load(load) == 9
+        # Chunk 0 from its third block (two blocks were a local hit) + chunk 1 + 3 blocks of chunk 2,
+        # one chunk per gateway request (load_batch_bytes=1).
+        asked: list[int] = []
+
+        def proceed(done: int) -> bool:
+            asked.append(done)
+            return True
+
+        assert loader.load(load, proceed) == 9
+        loader.wait_layer(NAMES[1])
         loader.end_step(KVHarborMetadata())
+        assert asked == [1, 2]  # the policy is asked before each further request
         sources = [3, 4, 5, 6, 7, 8, 9, 10, 11]
         for layer in range(LAYERS):
             for target, source in zip(load.block_ids, sources, strict=True):
                 assert torch.equal(dst[layer][target], src[layer][source])
         assert counts["loaded_chunks"] == 3
+        # A policy that stops the load after the first request: only chunk 0's blocks are restored.
+        again = ChunkTransfer("r", [keys], block_ids=list(range(20, 32)))
+        assert loader.load(again, proceed=lambda done: False) == PER_CHUNK
         loader.close()
     finally:
         saver.close()
 
 
-def test_worker_gpu_path_turns_the_cache_off_when_pinning_fails(
+def test_the_data_path_turns_the_cache_off_when_pinning_fails(
     gateway_config: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     def refuse(address: int, nbytes: int) -> None:
         raise PinError("cudaHostRegister(64 MiB) failed with CUDA error 2 cudaErrorMemoryAllocation")
 
-    path, _ = worker_path(gateway_config, layers(), register=refuse)
+    path, _ = data_path(gateway_config, make_copy("device", layers()), register=refuse)
     try:
-        assert not path.pin()
-        assert path.pins == [] and path._load_link.is_off and path._save_link.is_off
+        assert not path.map()
+        assert path.mappings == [] and path._load_link.is_off and path._save_link.is_off
         assert "cannot be page-locked" in caplog.text and "keeps serving" in caplog.text
         load = ChunkTransfer("r", [[b"k" * 16]], block_ids=[1, 2, 3, 4])
         assert path.load(load) == 0  # every planned block is a load error: recomputed
         meta = KVHarborMetadata(saves=[load])
         path.begin_step(meta)
-        path.save_layer("model.layers.0.self_attn.attn")
+        path.save_layer(NAMES[0])
         assert path.end_step(meta) is None  # nothing staged, nothing stored
     finally:
         path.close()
 
 
 def test_a_step_that_waited_for_staging_is_not_a_prefill_sample() -> None:
-    import threading
-
-    from kvharbor.config import Config
-    from kvharbor.connector.link import RankSwitch
-
-    pages = GpuPages(layers(), BLOCKS, PER_CHUNK, save_staging_bytes_max=1)
     switch = RankSwitch()
-    path = GpuWorkerPath(
-        pages,
-        [str(i) for i in range(LAYERS)],
+    links = (
         CacheLink(Config(), "load", connect=lambda c, n: None, switch=switch),  # type: ignore[arg-type,return-value]
         CacheLink(Config(), "save", connect=lambda c, n: None, switch=switch),  # type: ignore[arg-type,return-value]
-        0,
-        b"F" * 16,
-        lambda **kw: None,
-        register=None,
     )
-    path.pins = [Shm(pages.chunk_bytes).mapping, Shm(pages.chunk_bytes).mapping]
+    copy = DeviceCopy(layers(), BLOCKS, PER_CHUNK, 1, save_staging_bytes_max=1)
+    path, _ = data_path(Config(), copy, links=links)
+    path.mappings = [Shm(copy.chunk_bytes).mapping, Shm(copy.chunk_bytes).mapping]
     meta = KVHarborMetadata(saves=[ChunkTransfer("r", [[b"k" * 16]], block_ids=[1, 2, 3, 4])])
     path.begin_step(meta)
-    path.save_layer("0")
+    path.save_layer(NAMES[0])
     assert not path.stalled
     parts = path.end_step(meta)
     assert parts is not None  # holds the only chunk of staging until done()
     path.begin_step(meta)
     threading.Timer(0.05, parts.done).start()
-    path.save_layer("0")  # waits for the staging the previous step still holds
+    path.save_layer(NAMES[0])  # waits for the staging the previous step still holds
     assert path.stalled
     later = path.end_step(meta)
     assert later is not None

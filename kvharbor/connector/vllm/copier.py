@@ -1,0 +1,122 @@
+"""The page-copy interface the one data path (`datapath.DataPath`) drives.
+
+Four moves for each direction: **plan** (`chunks`), **stage** (name a stored
+chunk and its blocks), **flush** (start the copies of what was staged) and
+**wait** (the flush's returned `Wait`: the shared memory has been read or
+written). Two implementations: `host_copy.HostCopy` for a cache in host
+memory (vLLM's CPU backend) and `device_copy.DeviceCopy` for one on a GPU.
+Each keeps the page order its stored objects have always had (`pages`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvharbor.connector.vllm.pages import PageLayers
+from kvharbor.connector.vllm.pinning import PinnedMapping
+
+MIB = 1 << 20
+
+Wait = Callable[[], None]
+"""Blocks until a flush's copies have read (loads) or written (saves) the shared memory."""
+
+
+def no_wait() -> None:
+    pass
+
+
+class StepSave(Protocol):
+    """One step's saves of ``chunks`` chunks: gathered during the step, copied out behind it."""
+
+    @property
+    def chunks(self) -> int: ...
+
+    def gather_layer(self, layer: int) -> None:
+        """The forward pass has written ``layer``: copy its pages of the step's chunks, behind it."""
+
+    def close(self) -> None:
+        """End of the step: gather what the forward pass did not report; once the engine's
+        stream has passed this point the step's blocks may be reused."""
+
+    def stage(self, chunk: int, mapping: PinnedMapping, view: memoryview) -> None:
+        """Chunk ``chunk`` is to be stored in ``view`` (lent by the gateway)."""
+
+    def flush(self, mapping: PinnedMapping) -> Wait:
+        """Start the staged chunks' copies into shared memory."""
+
+    def release(self) -> None:
+        """Give the save's resources back (after its copies, or when they are abandoned)."""
+
+
+class PageCopy(Protocol):
+    """Whole chunks between the paged cache and shared memory; see the module docstring."""
+
+    pages: PageLayers
+    blocks_per_chunk: int
+    chunks_per_load: int
+    """Chunks asked of the gateway per load request (flush after at most this many)."""
+    snapshots_saves: bool
+    """True: `StepSave.close` leaves the step's pages copied into staging of the save's own,
+    so the saver thread may fill shared memory later. False: the pages are read from the
+    blocks when the save is staged, so the step must wait for that before its blocks are reused."""
+
+    @property
+    def chunk_bytes(self) -> int: ...
+
+    def stage_load(self, mapping: PinnedMapping, view: memoryview, first: int, block_ids: Sequence[int]) -> None:
+        """Add a stored chunk to the load request in progress: its blocks ``first ..
+        first + len(block_ids)`` go to ``block_ids``."""
+
+    def flush_load(self, mapping: PinnedMapping) -> Wait:
+        """Start copying the staged chunks into their blocks."""
+
+    def wait_layer(self, layer: int) -> None:
+        """Make the engine wait for the loads into one layer."""
+
+    def wait_loads(self) -> None:
+        """Make the engine wait for every load so far (end of a step)."""
+
+    def open_save(self, block_ids: Sequence[Sequence[int]], wait_s: float) -> StepSave | None:
+        """A save of the given chunks' blocks (``blocks_per_chunk`` each), or of as many of the
+        leading ones as fit, after waiting up to ``wait_s`` for room; None: no room came."""
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class StagedChunk:
+    """A stored chunk of a load request: at ``offset`` in shared memory, its blocks
+    ``first .. first + len(block_ids)`` go to the engine's ``block_ids``."""
+
+    offset: int
+    first: int
+    block_ids: list[int]
+
+
+class LoadStage:
+    """The chunks of the load request being staged, checked against the copy's chunk."""
+
+    def __init__(self, copy: PageCopy) -> None:
+        self._copy = copy
+        self.staged: list[StagedChunk] = []
+
+    def add(self, mapping: PinnedMapping, view: memoryview, first: int, block_ids: Sequence[int]) -> None:
+        copy = self._copy
+        if view.nbytes != copy.chunk_bytes:
+            raise ValueError(f"a stored chunk of {view.nbytes} B staged where {copy.chunk_bytes} B are expected")
+        if first < 0 or first + len(block_ids) > copy.blocks_per_chunk:
+            raise ValueError(f"blocks {first} .. {first + len(block_ids)} of a {copy.blocks_per_chunk}-block chunk")
+        if len(self.staged) >= copy.chunks_per_load:
+            raise RuntimeError("flush_load after chunks_per_load chunks")
+        self.staged.append(StagedChunk(mapping.offset(view), first, list(block_ids)))
+
+    def take(self) -> list[StagedChunk]:
+        staged, self.staged = self.staged, []
+        return staged
+
+
+def load_request_chunks(load_batch_bytes: int, chunk_bytes: int) -> int:
+    """Whole chunks per gateway request of at most ``load_batch_bytes`` (at least one)."""
+    return max(1, load_batch_bytes // chunk_bytes)

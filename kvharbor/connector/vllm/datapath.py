@@ -1,0 +1,238 @@
+"""The worker's one data path: chunks between the paged KV cache and the gateway.
+
+One algorithm for a cache in host memory and one on a GPU, over a `copier.PageCopy`:
+
+- **loads**: plan which blocks of which stored chunk go where (`chunks`),
+  stage each chunk the gateway hands over, flush after every request of
+  ``chunks_per_load`` chunks (``engine.load_batch_mb``), wait for a request's
+  copies only after the gateway has read the next one
+  (`CacheLink.load_streamed`). A ``proceed`` policy may stop a load between
+  requests (the worker's load cut).
+- **saves**: plan the step's chunks, open a save before the forward pass
+  writes its first layer, gather layer by layer as the forward reports them
+  (``save_kv_layer``), close at the end of the step; the saver thread then
+  stages each chunk into the view the gateway lent, flushes and waits (the
+  `SaveParts`), and commits.
+
+Both links' mappings of the gateway's shared memory are seen as byte tensors
+(`pinning.PinnedMapping`), page-locked when the cache is on a GPU: if that
+fails the external cache is turned off on this rank with one clear log line,
+and the engine keeps serving.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvharbor.connector.vllm.chunks import chunk_load, plan_saves
+from kvharbor.connector.vllm.copier import MIB, PageCopy, StepSave
+from kvharbor.connector.vllm.pinning import PinError, PinnedMapping, Register
+from kvharbor.gateway.shm import ShmUnavailable
+from kvharbor.telemetry.log import OnceLog, get_logger
+
+if TYPE_CHECKING:  # Importable without vLLM (bench/gpu.py's data-path part needs none).
+    from kvharbor.config import EngineSection
+    from kvharbor.connector.link import CacheLink
+    from kvharbor.connector.vllm.metadata import ChunkTransfer, KVHarborMetadata
+
+_log = get_logger("kvharbor.connector.vllm")
+
+Count = Callable[..., None]
+"""``count(**deltas)``: adds to the worker's stats."""
+
+
+@dataclass(frozen=True, slots=True)
+class SaveParts:
+    """What the saver thread needs to store one step's chunks."""
+
+    keys: list[bytes]
+    fill: Callable[[int, memoryview], None]
+    """Stage value i's copy into the view the gateway lent."""
+    settle: Callable[[], None]
+    """Make the staged copies and wait for them: after it every filled value's bytes are
+    in shared memory (before the commit)."""
+    done: Callable[[], None]
+    """Give the save's resources back (always called, also when the store failed)."""
+    fill_before_step_end: bool
+    """The pages are read from the step's blocks when filled: the step must wait for
+    the fill, the blocks may be reused after it."""
+
+
+class DataPath:
+    """A vLLM worker's data path over one `PageCopy`; ``layer_names`` in registration order."""
+
+    def __init__(
+        self,
+        copy: PageCopy,
+        layer_names: Sequence[str],
+        load_link: CacheLink,
+        save_link: CacheLink,
+        rank: int,
+        fingerprint: bytes,
+        count: Count,
+        engine: EngineSection,
+        register: Register | None,
+    ) -> None:
+        """``register``: page-locks a mapping for the GPU (`pinning.cuda_host_register`); None
+        on the CPU, where copies read and write the mappings as they are."""
+        self.copy = copy
+        self.layer_index = {name: i for i, name in enumerate(layer_names)}
+        self.rank = rank
+        self.fingerprint = fingerprint
+        self._load_link = load_link
+        self._save_link = save_link
+        self._count = count
+        self._save_staging_wait_s = engine.save_staging_wait_ms / 1000
+        self._stall_s = engine.prefill_sample_stall_ms_max / 1000
+        self._register = register
+        self.mappings: list[PinnedMapping] = []
+        """The load link's mapping, then the save link's; empty when not mapped (cache off)."""
+        self._meta: KVHarborMetadata | None = None
+        self._save: StepSave | None = None
+        self._save_keys: list[bytes] = []
+        self._save_opened = False
+        self.stalled = False
+        """This step's forward pass waited for save staging (so it is no prefill sample)."""
+        self._once = OnceLog(_log)
+
+    def map(self) -> bool:
+        """Map both links' shared memory (page-locked on a GPU); on failure the cache goes off on this rank."""
+        started = time.perf_counter()
+        try:
+            for link in (self._load_link, self._save_link):
+                segment = link.shared_memory()
+                if segment is None:
+                    self._unmap()
+                    return False  # The cache is off already; the link said why.
+                if self._register is not None:
+                    segment.make_writable()  # Written by DMA only: see `Segment.make_writable`.
+                self.mappings.append(PinnedMapping(segment.view, self._register))
+        except (PinError, ShmUnavailable) as err:
+            self._unmap()
+            reason = f"the gateway's shared memory cannot be page-locked for the GPU: {err}"
+            _log.error(
+                "kvharbor: %s. The external KV cache is off on this rank (no pageable copies on the hot "
+                "path); the engine keeps serving. Check the locked-memory limit (ulimit -l, container "
+                "memlock) and that gateway.shm_dir is a tmpfs",
+                reason,
+            )
+            self._load_link.switch.turn_off(reason)
+            return False
+        if self._register is not None:
+            _log.info(
+                "kvharbor: shared memory page-locked for the GPU (%d mapping(s) of %d MiB in %.2f s); "
+                "%.1f MiB per chunk, %d chunk(s) per load request",
+                len(self.mappings), self.mappings[0].size >> 20, time.perf_counter() - started,
+                self.copy.chunk_bytes / MIB, self.copy.chunks_per_load,
+            )  # fmt: skip
+        return True
+
+    def _unmap(self) -> None:
+        for mapping in self.mappings:
+            mapping.close()
+        self.mappings = []
+
+    # -- loads -----------------------------------------------------------------
+
+    def load(self, transfer: ChunkTransfer, proceed: Callable[[int], bool] | None = None) -> int:
+        """Restore the leading stored chunks of ``transfer``; returns the blocks restored.
+
+        ``proceed(chunks_so_far)``, asked before each further gateway request, may stop the load.
+        """
+        if not self.mappings:
+            return 0
+        mapping, copy = self.mappings[0], self.copy
+        per, size = copy.blocks_per_chunk, copy.chunk_bytes
+        accepted: list[int] = []
+
+        def sink(i: int, view: memoryview) -> None:
+            if view.nbytes != size or len(accepted) != i:
+                return  # Another layout's bytes, or a gap: restore nothing more.
+            plan = chunk_load(i, per, transfer.skip_blocks, transfer.block_ids)
+            if plan.targets:
+                copy.stage_load(mapping, view, plan.first, plan.targets)
+                accepted.append(len(plan.targets))
+
+        def go_on(done: int) -> bool:
+            return len(accepted) >= done and (proceed is None or proceed(done))
+
+        chunks = self._load_link.load_streamed(
+            self.fingerprint,
+            transfer.keys[self.rank],
+            copy.chunks_per_load,
+            sink,
+            lambda: copy.flush_load(mapping),
+            go_on,
+        )
+        restored = min(chunks, len(accepted))
+        self._count(loaded_chunks=restored, loaded_bytes=restored * size)
+        return sum(accepted[:restored])
+
+    def wait_layer(self, layer_name: str) -> None:
+        index = self.layer_index.get(layer_name)
+        if index is not None:
+            self.copy.wait_layer(index)
+
+    # -- saves -----------------------------------------------------------------
+
+    def begin_step(self, meta: KVHarborMetadata) -> None:
+        self.copy.wait_loads()
+        self._meta = meta
+        self._save, self._save_keys, self._save_opened = None, [], False
+        self.stalled = False
+
+    def save_layer(self, layer_name: str) -> None:
+        """The forward pass has written this layer: gather its pages of the step's chunks."""
+        meta = self._meta
+        if meta is None or not meta.saves:
+            return
+        if not self._save_opened:
+            self._open_save(meta)
+        index = self.layer_index.get(layer_name)
+        if self._save is not None and index is not None:
+            self._save.gather_layer(index)
+
+    def end_step(self, meta: KVHarborMetadata) -> SaveParts | None:
+        """End of the step's forward pass: finish the gathers; what the saver thread stores."""
+        self.copy.wait_loads()
+        if meta.saves and not self._save_opened:
+            self._open_save(meta)
+        save, keys = self._save, self._save_keys
+        self._meta, self._save, self._save_keys, self._save_opened = None, None, [], False
+        if save is None:
+            return None
+        save.close()
+        mapping = self.mappings[1]
+        return SaveParts(
+            keys,
+            fill=lambda i, view: save.stage(i, mapping, view),
+            settle=lambda: save.flush(mapping)(),
+            done=save.release,
+            fill_before_step_end=not self.copy.snapshots_saves,
+        )
+
+    def _open_save(self, meta: KVHarborMetadata) -> None:
+        self._save_opened = True
+        if len(self.mappings) < 2 or self._save_link.is_off:
+            return
+        plan = plan_saves(meta.saves, self.rank, self.copy.blocks_per_chunk)
+        started = time.perf_counter()
+        save = self.copy.open_save(plan.blocks, self._save_staging_wait_s)
+        self.stalled = time.perf_counter() - started > self._stall_s
+        kept = save.chunks if save is not None else 0
+        if kept < len(plan.keys):
+            self._count(save_dropped=len(plan.keys) - kept)
+            self._once.say(
+                "staging",
+                f"{len(plan.keys) - kept} of a step's {len(plan.keys)} chunks not saved: device staging for "
+                "saves is full (engine.save_staging_mb_max, waited engine.save_staging_wait_ms); they will be "
+                "misses (said once)",
+            )
+        self._save, self._save_keys = save, plan.keys[:kept]
+
+    def close(self) -> None:
+        self.copy.close()
+        self._unmap()

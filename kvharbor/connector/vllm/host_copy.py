@@ -1,0 +1,96 @@
+"""Page copies for a cache in host memory (vLLM's CPU backend).
+
+Copies go straight between the cache tensors and shared memory
+(``index_copy_`` reads a tensor view of it, ``index_select`` writes into one),
+with no staging; a flush has done its work when it returns. Pages are stored
+in their logical order (`pages.block_first`), as they always were.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvharbor.connector.vllm.copier import LoadStage, StepSave, Wait, load_request_chunks, no_wait
+from kvharbor.connector.vllm.pages import PageLayers, block_first
+from kvharbor.connector.vllm.pinning import PinnedMapping
+
+
+class HostCopy:
+    snapshots_saves = False
+
+    def __init__(
+        self, tensors: Sequence[torch.Tensor], num_blocks: int, blocks_per_chunk: int, load_batch_bytes: int
+    ) -> None:
+        self.pages = PageLayers.of(tensors, num_blocks, block_first)
+        self.blocks_per_chunk = blocks_per_chunk
+        self.chunks_per_load = load_request_chunks(load_batch_bytes, self.chunk_bytes)
+        self._stage = LoadStage(self)
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.pages.chunk_bytes(self.blocks_per_chunk)
+
+    def chunk_pages(self, mapping: PinnedMapping, offset: int) -> list[torch.Tensor]:
+        """A stored chunk at ``offset`` as one ``(blocks_per_chunk, *page_shape)`` view per layer."""
+        pages = self.pages
+        flat = mapping.tensor[offset : offset + self.chunk_bytes].view(pages.dtype)
+        return list(flat.view(len(pages.layers), self.blocks_per_chunk, *pages.page_shape).unbind(0))
+
+    def stage_load(self, mapping: PinnedMapping, view: memoryview, first: int, block_ids: Sequence[int]) -> None:
+        self._stage.add(mapping, view, first, block_ids)
+
+    def flush_load(self, mapping: PinnedMapping) -> Wait:
+        for chunk in self._stage.take():
+            index = torch.tensor(chunk.block_ids, dtype=torch.long, device=self.pages.device)
+            end = chunk.first + len(chunk.block_ids)
+            for layer, source in zip(self.pages.layers, self.chunk_pages(mapping, chunk.offset), strict=True):
+                layer.index_copy_(0, index, source[chunk.first : end])
+        return no_wait  # Copied when it returns.
+
+    def wait_layer(self, layer: int) -> None:
+        pass
+
+    def wait_loads(self) -> None:
+        pass
+
+    def open_save(self, block_ids: Sequence[Sequence[int]], wait_s: float) -> StepSave | None:
+        return _HostSave(self, block_ids) if block_ids else None
+
+    def close(self) -> None:
+        pass
+
+
+class _HostSave:
+    """Pages are read from the blocks when a chunk is staged (the step waits for it)."""
+
+    def __init__(self, copy: HostCopy, block_ids: Sequence[Sequence[int]]) -> None:
+        self._copy = copy
+        self._block_ids = block_ids
+
+    @property
+    def chunks(self) -> int:
+        return len(self._block_ids)
+
+    def gather_layer(self, layer: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def stage(self, chunk: int, mapping: PinnedMapping, view: memoryview) -> None:
+        copy = self._copy
+        blocks = self._block_ids[chunk]
+        if view.nbytes != copy.chunk_bytes or len(blocks) != copy.blocks_per_chunk:
+            raise ValueError(f"chunk {chunk}: {len(blocks)} blocks into {view.nbytes} B, not a whole chunk")
+        index = torch.tensor(blocks, dtype=torch.long, device=copy.pages.device)
+        targets = copy.chunk_pages(mapping, mapping.offset(view))
+        for layer, target in zip(copy.pages.layers, targets, strict=True):
+            torch.index_select(layer, 0, index, out=target)
+
+    def flush(self, mapping: PinnedMapping) -> Wait:
+        return no_wait  # Copied when staged.
+
+    def release(self) -> None:
+        pass

@@ -1,0 +1,98 @@
+"""A real gateway with a simulated card tier, end to end: put, get, card full, target down and back.
+
+The gateway runs in its own process with a RAM tier and a card tier (``device:
+sim:PARAMS.yaml``, scaled real time). Faults reach its card through the card's
+control file, as a scenario's would; every wait is on a real request's answer or
+a line of the gateway's log, bounded by the harness's deadline.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from gateway_harness import Lab, closing_client, get_values, put_values, value_for, wait_until
+
+from kvharbor.hal.sim.control import write_control
+
+pytestmark = pytest.mark.timeout(120)
+
+VALUE_BYTES = 100_000
+CARD_BYTES = 2 << 20
+
+
+def card_gateway_config(lab: Lab, tmp_path: Path) -> tuple[Path, str]:
+    control = str(tmp_path / "card-control.yaml")
+    params = tmp_path / "card.yaml"
+    params.write_text(yaml.safe_dump({"capacity_bytes": CARD_BYTES, "control_path": control, "control_poll_s": 0.01}))
+    path = lab.config(
+        tiers=[
+            {"name": "ram", "type": "ram", "capacity_gb": 1 / 1024},
+            {"name": "card", "type": "nvme", "device": f"sim:{params}"},
+        ]
+    )
+    document = yaml.safe_load(path.read_text())
+    document["card"] = {"key_eviction": False}
+    document["storage"]["backpressure"] = {
+        "circuit_breaker": {"cooldown_s": 0.2, "probe_backoff_factor": 2.0, "probe_interval_max_s": 1.0}
+    }
+    path.write_text(yaml.safe_dump(document))
+    return path, control
+
+
+def card_status(status: dict[str, Any]) -> dict[str, Any]:
+    (card,) = [tier for tier in status["store"]["tiers"] if tier["name"] == "card"]
+    return card
+
+
+def test_a_gateway_serves_from_a_simulated_card_through_full_and_a_target_outage(lab: Lab, tmp_path: Path) -> None:
+    config_path, control = card_gateway_config(lab, tmp_path)
+    gateway = lab.gateway(config_path).start()
+    first = [(bytes([1, i]) * 8, VALUE_BYTES) for i in range(5)]
+    more = [(bytes([2, i]) * 8, VALUE_BYTES) for i in range(30)]
+    with closing_client(gateway.client()) as client:
+        # Put and get: stored in both tiers (write-through), read back whole.
+        assert put_values(client, first) == len(first)
+        assert card_status(client.status())["counters"]["puts"] == len(first)
+        # Card full (key eviction off; the tier's own budget never fills the card, something
+        # else on it does): the card refuses, RAM keeps taking values (in batches that fit it).
+        write_control(control, fill_ratio=1.0)
+        for start in range(0, len(more), 5):
+            assert put_values(client, more[start : start + 5]) == 5
+        card = card_status(client.status())
+        assert card["counters"]["full"] > 0 and card["device_statuses"]["1/81h"] == card["counters"]["full"]
+        assert card["health"] == "degraded" and "CapacityUsage CRITICAL" in card["health_detail"]
+        # The first values left the small RAM tier long ago: the card serves them.
+        keys = [key for key, _ in first]
+        assert get_values(client, keys) == [value_for(k, s) for k, s in first]
+        assert card_status(client.status())["counters"]["hits"] >= 1
+
+        # The remote target stops answering: the tier is unavailable at the next value
+        # written through to it, and the gateway serves on from RAM.
+        fresh = itertools.count()
+
+        def put_one() -> bool:
+            return put_values(client, [(next(fresh).to_bytes(16, "big"), VALUE_BYTES)]) == 1
+
+        write_control(control, target_up=False)
+        wait_until(lambda: put_one() and "tier 'card' unavailable" in gateway.log(), "the card tier unavailable")
+        assert card_status(client.status())["breaker"] == "open"
+
+        # It answers again (still full): a probe finds it, the tier resumes without a restart.
+        write_control(control, target_up=True)
+        wait_until(lambda: put_one() and "tier 'card' answers again" in gateway.log(), "the card tier resumed")
+        card = card_status(client.status())
+        assert card["breaker"] == "closed" and card["device_statuses"]["3/70h"] >= 1
+        for _ in range(12):  # Push the first values out of RAM: only the card has them now.
+            assert put_one()
+        hits = card_status(client.status())["counters"]["hits"]
+        assert get_values(client, keys) == [value_for(k, s) for k, s in first]
+        assert card_status(client.status())["counters"]["hits"] > hits, "served by the card again"
+    log = gateway.log()
+    assert log.count("tier 'card' unavailable") == 1 and log.count("tier 'card' answers again") == 1
+    assert log.count("tier 'card' is full") == 1, "said once, not per refused value"
+    assert "3/70h" in log and "87h" not in log, "a lost path is said once; misses never"
+    assert gateway.stop() == 0
