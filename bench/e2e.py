@@ -162,6 +162,9 @@ class Bench:
                 "socket": str(self.workdir / "run" / f"gw-{round_no}.sock"),
                 "shm_name": f"kvh-bench-{uuid.uuid4().hex[:8]}",
                 "ring_mb": 256,
+                # Each engine's restart is measured against the file tier, and a round's
+                # gateway must not outlive it (holding its segment while the next round runs).
+                "linger_s": 0,
             },
             "storage": {"tiers": [{"name": "local", "type": "file", "path": str(kvh / "cache"), "capacity_gb": 4}]},
         }

@@ -10,6 +10,10 @@ writing ``<part>.json`` into ``--out`` (default ``$OUT`` or ``bench-out``):
                                           #     prefix cache is reset: kvharbor (RAM tier) vs
                                           #     recompute vs vLLM's OffloadingConnector (CPU tier),
                                           #     plus a deliberately slow tier (load-or-recompute)
+  python bench/gpu.py restart --model DIR # (c) TTFT of a freshly started engine for prompts the previous
+                                          #     engine process stored, with a service-mode gateway and with
+                                          #     the default embedded one lingering, beside recompute in a
+                                          #     fresh process; with a step-by-step breakdown of one restore
   python bench/gpu.py report --json       # merge the parts; the last line is one JSON object
 
 Layout: Llama-3.1-8B (32 layers, 8 KV heads, head size 128, bf16), flash-attn
@@ -24,6 +28,7 @@ import gc
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -32,7 +37,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
 LAYERS, KV_HEADS, HEAD, BLOCK, CHUNK = 32, 8, 128, 16, 256
 PER_CHUNK = CHUNK // BLOCK
@@ -252,25 +258,33 @@ def bench_raw(args: argparse.Namespace) -> None:
 # -- (a') through the gateway and its RAM tier ----------------------------------------
 
 
-def kvharbor_sections(socket_dir: Path, shm_prefix: str, tiers: list[dict[str, Any]], ring_mb: int) -> dict[str, Any]:
-    """The kvharbor config every part of this bench runs with (its own socket and segment)."""
+def kvharbor_sections(
+    socket_dir: Path, shm_name: str, tiers: list[dict[str, Any]], ring_mb: int, **gateway: Any
+) -> dict[str, Any]:
+    """The kvharbor config every part of this bench runs with (its own socket and segment);
+    ``gateway`` adds gateway settings (its mode, say)."""
     return {
         "engine": {"chunk_size": CHUNK},
         "gateway": {
             "socket": str(socket_dir / "gw.sock"),
-            "shm_name": f"{shm_prefix}-{os.getpid()}",
+            "shm_name": shm_name,
             "ring_mb": ring_mb,
             "request_timeout_ms": 30000,
             "ring_wait_ms": 5000,
+            **gateway,
         },
         "storage": {"tiers": tiers, "probe": False, "value_mb_max": 64},
     }
 
 
-def gateway_config(socket_dir: Path, tiers: list[dict[str, Any]], ring_mb: int) -> Any:
+def load_sections(sections: dict[str, Any]) -> Any:
     from kvharbor.config import load_config
 
-    return load_config(None, {}, overrides=kvharbor_sections(socket_dir, "kvh-bench", tiers, ring_mb))
+    return load_config(None, {}, overrides=sections)
+
+
+def gateway_config(socket_dir: Path, tiers: list[dict[str, Any]], ring_mb: int) -> Any:
+    return load_sections(kvharbor_sections(socket_dir, f"kvh-bench-{os.getpid()}", tiers, ring_mb, linger_s=0))
 
 
 def bench_gateway(args: argparse.Namespace) -> None:
@@ -335,8 +349,7 @@ def bench_gateway(args: argparse.Namespace) -> None:
         result["stored_chunks"] = stored
         result["store_to_ram_tier_GBps"] = round(stored * size / store_s / 1e9, 2)
 
-        restores = []
-        for _ in range(args.repeat):
+        def restore() -> float:
             transfer = SimpleNamespace(keys=[keys], block_ids=perm[chunks * PER_CHUNK :], skip_blocks=0, recompute_s=())
             path.begin_step(SimpleNamespace(saves=[], loads=[transfer]))
             sync()
@@ -344,8 +357,16 @@ def bench_gateway(args: argparse.Namespace) -> None:
             restored = path.load(transfer)
             path.copy.wait_loads()
             sync()
-            restores.append(time.perf_counter() - t0)
             assert restored == chunks * PER_CHUNK, restored
+            return time.perf_counter() - t0
+
+        restores = [restore() for _ in range(args.repeat)]
+        if args.profile:
+            from bench.gpu_timeline import profile_request
+
+            trace = out_dir(args) / f"trace-gateway-{chunks}.json.gz"
+            _, result["profiled_restore"] = profile_request(restore, trace)
+            print(f"[gateway] profiled restore: {json.dumps(result['profiled_restore']['steps_ms'])}", flush=True)
         restore_s = statistics.median(restores)
         result["restore_from_ram_tier_GBps"] = round(chunks * size / restore_s / 1e9, 2)
         result["restore_s_all"] = [round(t, 4) for t in restores]
@@ -369,6 +390,11 @@ def bench_gateway(args: argparse.Namespace) -> None:
 
 
 def write_model(directory: Path) -> Path:
+    """Llama-3.1-8B's shape (vLLM draws random weights); a tiny Llama for the CPU smoke test."""
+    if DEVICE == "cpu":
+        from kvharbor.demo.model import build_tiny_model
+
+        return build_tiny_model(directory, max_position=8192)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(LLAMA_31_8B))
     return directory
@@ -381,69 +407,142 @@ def prompt(length: int, seed: int, vocab: int = 120000) -> list[int]:
     return [rng.randrange(min(1000, vocab // 4), vocab) for _ in range(length)]
 
 
-def bench_e2e(args: argparse.Namespace) -> None:
-    """One engine per mode, each in its own process, one after the other."""
-    model = write_model(Path(args.model))
-    for mode in args.modes.split(","):
-        log = out_dir(args) / f"engine-{mode}.log"
-        command = [
-            sys.executable,
-            __file__,
-            "engine",
-            "--mode",
-            mode,
-            "--model",
-            str(model),
-            "--out",
-            str(out_dir(args)),
-        ]
-        command += ["--lengths", args.lengths, "--max-model-len", str(args.max_model_len)]
-        started = time.perf_counter()
-        with open(log, "w") as sink:
+def spawn_engine(args: argparse.Namespace, mode: str, tag: str, extra: list[str]) -> int:
+    """One engine process (`run_engine`), its output in ``engine-<tag>.log``; its exit code."""
+    log = out_dir(args) / f"engine-{tag}.log"
+    command = [sys.executable, __file__, "engine", "--mode", mode, "--tag", tag, "--model", str(args.model)]
+    command += ["--out", str(out_dir(args)), "--max-model-len", str(args.max_model_len), *extra]
+    started = time.perf_counter()
+    with open(log, "w") as sink:
+        try:
             code = subprocess.run(
                 command, stdout=sink, stderr=subprocess.STDOUT, timeout=args.engine_timeout
             ).returncode
-        print(f"[e2e] {mode}: exit {code} in {time.perf_counter() - started:.0f} s (log {log.name})", flush=True)
-        if code:
-            print("".join(log.read_text().splitlines(keepends=True)[-30:]), flush=True)
+        except subprocess.TimeoutExpired:
+            code = -1
+    print(f"[engine] {tag}: exit {code} in {time.perf_counter() - started:.0f} s (log {log.name})", flush=True)
+    if code:
+        print("".join(log.read_text().splitlines(keepends=True)[-30:]), flush=True)
+    return code
 
 
-def kvharbor_transfer(work: Path, tiers: list[dict[str, Any]], ring_mb: int) -> dict[str, Any]:
+def bench_e2e(args: argparse.Namespace) -> None:
+    """One engine per mode, each in its own process, one after the other."""
+    write_model(Path(args.model))
+    for mode in args.modes.split(","):
+        spawn_engine(args, mode, mode, ["--lengths", args.lengths])
+
+
+def kvharbor_transfer(sections: dict[str, Any]) -> dict[str, Any]:
     return {
         "kv_connector": "KVHarborConnector",
         "kv_connector_module_path": "kvharbor.connector.vllm.connector",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": kvharbor_sections(work, "kvh-e2e", tiers, ring_mb),
+        "kv_connector_extra_config": sections,
     }
+
+
+def engine_transfer(args: argparse.Namespace, work: Path) -> dict[str, Any] | None:
+    """The engine's ``kv_transfer_config`` for its mode (None: no connector)."""
+    mode = args.mode
+    if args.kvharbor:  # The restart roles: the orchestrator's config, shared by both processes.
+        return kvharbor_transfer(json.loads(Path(args.kvharbor).read_text()))
+    # One engine per mode, each with its own gateway: none outlives its engine (the restart part's does).
+    if mode == "kvharbor":
+        ram = [{"name": "ram", "type": "ram", "capacity_gb": 24}]
+        return kvharbor_transfer(kvharbor_sections(work, f"kvh-e2e-{os.getpid()}", ram, 4096, linger_s=0))
+    if mode == "slowtier":
+        tier = {"name": "disk", "type": "file", "path": str(work / "tier"), "capacity_gb": 12, "fsync": False}
+        return kvharbor_transfer(kvharbor_sections(work, f"kvh-e2e-{os.getpid()}", [tier], 4096, linger_s=0))
+    if mode == "native":
+        return {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"cpu_bytes_to_use": 24 * GIB},
+        }
+    return None
+
+
+class Engine:
+    """One vLLM engine in this process (the connector objects in reach), and what
+    every role does with it."""
+
+    def __init__(self, llm: Any, vocab: int) -> None:
+        from vllm import SamplingParams
+
+        self.llm = llm
+        self.vocab = vocab
+        self.sampling = SamplingParams(max_tokens=1, temperature=0.0)
+        connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+        self.side = getattr(connector, "_scheduler", None)
+        """kvharbor's scheduler half; None for the other connectors."""
+
+    def generate(self, ids: list[int]) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        out = self.llm.generate([{"prompt_token_ids": ids}], self.sampling, use_tqdm=False)[0]
+        return {
+            "ttft_s": round(time.perf_counter() - t0, 4),
+            "cached": out.num_cached_tokens,
+            "token": list(out.outputs[0].token_ids),
+        }
+
+    def reset(self) -> None:
+        self.llm.reset_prefix_cache()  # The GPU prefix cache only; the connector's tier stays.
+
+    def chunk_bytes(self) -> int:
+        layout = self.side.layout if self.side is not None else None
+        if layout is None:
+            return 0
+        return sum(g.page_bytes * len(g.layer_names) for g in layout.groups) * layout.blocks_per_chunk
+
+    def gateway_status(self) -> dict[str, Any] | None:
+        if self.side is None:
+            return None
+        return gateway_status(self.side.config.gateway)
+
+    def settle(self, expected_bytes: int) -> float:
+        """Wait until the connector's saves have landed (kvharbor: the gateway's count)."""
+        t0 = time.perf_counter()
+        if self.side is None:
+            time.sleep(3.0)  # vLLM's offloading stores behind; its copies run at PCIe speed.
+            return time.perf_counter() - t0
+        last, still = -1, 0
+        while time.perf_counter() - t0 < 300:
+            status = self.gateway_status()
+            now = int(status["counters"]["put_bytes"]) if status else -1
+            if now >= expected_bytes or (now == last and still >= 20):
+                break
+            still = still + 1 if now == last else 0
+            last = now
+            time.sleep(0.25)
+        return time.perf_counter() - t0
+
+
+def gateway_status(section: Any) -> dict[str, Any] | None:
+    """The status document of the gateway at ``section.socket``; None if none answers."""
+    from kvharbor.gateway.client import GatewayClient, GatewayError
+
+    try:
+        client = GatewayClient.connect(section, "bench status")
+    except GatewayError:
+        return None
+    try:
+        return client.status()
+    finally:
+        client.close()
 
 
 def run_engine(args: argparse.Namespace) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the connector objects are in reach
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     import torch
-    from vllm import LLM, SamplingParams
-
-    import kvharbor.cache.bandwidth as bandwidth
+    from vllm import LLM
 
     mode = args.mode
     vocab = min(120000, int(json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]))
     work = Path(f"/tmp/kvh-e2e-{mode}-{os.getpid()}")
     work.mkdir(parents=True, exist_ok=True)
-    lengths = [int(x) for x in args.lengths.split(",")]
-    transfer: dict[str, Any] | None = None
-    if mode == "kvharbor":
-        transfer = kvharbor_transfer(work, [{"name": "ram", "type": "ram", "capacity_gb": 24}], 4096)
-    elif mode == "slowtier":
-        tier = {"name": "disk", "type": "file", "path": str(work / "tier"), "capacity_gb": 12, "fsync": False}
-        transfer = kvharbor_transfer(work, [tier], 4096)
-        lengths = lengths[:1]
-    elif mode == "native":
-        transfer = {
-            "kv_connector": "OffloadingConnector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {"cpu_bytes_to_use": 24 * GIB},
-        }
     started = time.perf_counter()
     llm = LLM(
         model=args.model,
@@ -457,55 +556,44 @@ def run_engine(args: argparse.Namespace) -> None:
         max_num_seqs=8,
         max_num_batched_tokens=16384,
         seed=0,
-        kv_transfer_config=transfer,
+        kv_transfer_config=engine_transfer(args, work),
     )
     result: dict[str, Any] = {
         "mode": mode,
         "machine": machine(),
         "engine_start_s": round(time.perf_counter() - started, 1),
     }
-    sp = SamplingParams(max_tokens=1, temperature=0.0)
+    engine = Engine(llm, vocab)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    output = out_dir(args) / f"engine-{args.tag or mode}.json"
 
-    def generate(ids: list[int]) -> dict[str, Any]:
-        t0 = time.perf_counter()
-        out = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0]
-        return {
-            "ttft_s": round(time.perf_counter() - t0, 4),
-            "cached": out.num_cached_tokens,
-            "token": list(out.outputs[0].token_ids),
-        }
+    def write() -> None:
+        output.write_text(json.dumps(result, indent=1))
 
-    def reset() -> None:
-        llm.reset_prefix_cache()  # the GPU prefix cache only; the connector's tier stays
+    if mode in ("store", "restore"):
+        restart_role(engine, args, lengths, result, write)
+    else:
+        e2e_role(engine, args, lengths, result, write)
+    status = engine.gateway_status()
+    if status is not None:
+        result["gateway_status"] = status
+    if DEVICE == "cuda":
+        result["max_memory_allocated_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 1)
+    write()
+    print(f"[{args.tag or mode}] done", flush=True)
+    gc.collect()
+    # vLLM's in-process engine can hang at interpreter exit; the results are written. An
+    # embedded gateway sees its clients go as at any engine exit (and lingers).
+    os._exit(0)
 
-    core = llm.llm_engine.engine_core.engine_core
-    connector = core.scheduler.connector
-    side = getattr(connector, "_scheduler", None)
 
-    def gateway_put_bytes() -> int:
-        from kvharbor.gateway.client import GatewayClient
+def e2e_role(engine: Engine, args: argparse.Namespace, lengths: list[int], result: dict[str, Any], write: Any) -> None:
+    """(b): each prompt cold, then restored after the GPU prefix cache is reset."""
+    import kvharbor.cache.bandwidth as bandwidth
 
-        client = GatewayClient.connect(side.config.gateway, "bench status")
-        try:
-            return int(client.status()["counters"]["put_bytes"])
-        finally:
-            client.close()
-
-    def settle(expected_bytes: int) -> float:
-        """Wait until the connector's saves have landed (kvharbor: the gateway's count)."""
-        t0 = time.perf_counter()
-        if side is None:
-            time.sleep(3.0)  # vLLM's offloading stores behind; its copies run at PCIe speed
-            return time.perf_counter() - t0
-        last, still = -1, 0
-        while time.perf_counter() - t0 < 300:
-            now = gateway_put_bytes()
-            if now >= expected_bytes or (now == last and still >= 20):
-                break
-            still = still + 1 if now == last else 0
-            last = now
-            time.sleep(0.25)
-        return time.perf_counter() - t0
+    mode, side, vocab = args.mode, engine.side, engine.vocab
+    if mode == "slowtier":
+        lengths = lengths[:1]
 
     def drop_page_cache() -> bool:
         try:
@@ -516,65 +604,199 @@ def run_engine(args: argparse.Namespace) -> None:
             print(f"drop_caches failed: {err}", flush=True)
             return False
 
-    chunk_bytes = (
-        side.layout
-        and sum(g.page_bytes * len(g.layer_names) for g in side.layout.groups) * side.layout.blocks_per_chunk
-        if side is not None
-        else 0
-    )
-    warm = 2048
-    generate(prompt(warm, 999, vocab))  # warm up (kernels, allocator); kvharbor stores its chunks too
+    chunk_bytes = engine.chunk_bytes()
+    warm = args.warmup_tokens
+    engine.generate(prompt(warm, 999, vocab))  # warm up (kernels, allocator); kvharbor stores its chunks too
     stored_before = warm // CHUNK * chunk_bytes
     for length in lengths:
         ids = prompt(length, length, vocab)
         expected = length // CHUNK * chunk_bytes
         entry: dict[str, Any] = {}
-        reset()
-        entry["cold"] = generate(ids)
+        engine.reset()
+        entry["cold"] = engine.generate(ids)
         if mode == "recompute":
-            reset()
-            entry["cold2"] = generate(ids)
+            engine.reset()
+            entry["cold2"] = engine.generate(ids)
         elif mode in ("kvharbor", "native"):
-            entry["settle_s"] = round(settle(stored_before + expected), 2)
+            entry["settle_s"] = round(engine.settle(stored_before + expected), 2)
             if side is not None:
                 bandwidth.SWITCH_MARGIN = 1e9  # measure the restore itself: the planner may not say recompute
             restores = []
             for _ in range(2):
-                reset()
-                restores.append(generate(ids))
+                engine.reset()
+                restores.append(engine.generate(ids))
             bandwidth.SWITCH_MARGIN = 1.0
             entry["restores"] = restores
             if side is not None:
-                reset()
-                entry["auto"] = generate(ids)  # what the load-or-recompute choice does with the rates it measured
+                engine.reset()
+                # What the load-or-recompute choice does with the rates it measured.
+                entry["auto"] = engine.generate(ids)
         elif mode == "slowtier":
-            entry["settle_s"] = round(settle(stored_before + expected), 2)
+            assert side is not None
+            entry["settle_s"] = round(engine.settle(stored_before + expected), 2)
             entry["dropped_page_cache"] = drop_page_cache()
-            reset()
-            entry["first"] = generate(ids)  # no load rate known yet: the worker cuts the load short
+            engine.reset()
+            entry["first"] = engine.generate(ids)  # no load rate known yet: the worker cuts the load short
             entry["planner_after_first"] = side.planner.snapshot() if side.planner else None
             entry["dropped_page_cache_2"] = drop_page_cache()
-            reset()
-            entry["second"] = generate(ids)  # the measured disk rate: recompute, not load
+            engine.reset()
+            entry["second"] = engine.generate(ids)  # the measured disk rate: recompute, not load
         stored_before += expected
         if side is not None and side.planner is not None:
             entry["planner"] = side.planner.snapshot()
         result[str(length)] = entry
         print(f"[{mode}] {length}: {json.dumps(entry)}", flush=True)
-        (out_dir(args) / f"engine-{mode}.json").write_text(json.dumps(result, indent=1))
-    if side is not None:
-        with contextlib.suppress(Exception):
-            from kvharbor.gateway.client import GatewayClient
+        write()
 
-            client = GatewayClient.connect(side.config.gateway, "bench status")
-            result["gateway_status"] = client.status()
-            client.close()
-    if DEVICE == "cuda":
-        result["max_memory_allocated_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 1)
-    (out_dir(args) / f"engine-{mode}.json").write_text(json.dumps(result, indent=1))
-    print(f"[{mode}] done", flush=True)
-    gc.collect()
-    os._exit(0)  # vLLM's in-process engine can hang at interpreter exit; the results are written
+
+# -- (c) a restarted engine ---------------------------------------------------------------
+
+
+def restart_role(
+    engine: Engine, args: argparse.Namespace, lengths: list[int], result: dict[str, Any], write: Any
+) -> None:
+    """``store``: compute and store the prompts, wait until the gateway holds them, exit.
+    ``restore`` (the next process): each prompt once, as the first requests after its start
+    (after a warm-up shorter than one chunk, which kvharbor neither looks up nor stores);
+    with ``--extras`` then, for the longest prompt, vLLM's own floor and the breakdown."""
+    from bench.gpu_timeline import clock_request, profile_request
+
+    vocab = engine.vocab
+    engine.generate(prompt(args.warmup_tokens, 999, vocab))
+    if args.mode == "store":
+        for length in lengths:
+            result[str(length)] = {"cold": engine.generate(prompt(length, length, vocab))}
+            write()
+        chunks = sum(length // CHUNK for length in lengths) + args.warmup_tokens // CHUNK
+        result["settle_s"] = round(engine.settle(chunks * engine.chunk_bytes()), 2)
+        return
+    for length in lengths:
+        ids = prompt(length, length, vocab)
+        entry = result[str(length)] = {}
+        entry["restart"], entry["restart_clock"] = clock_request(lambda ids=ids: engine.generate(ids))
+        print(f"[{args.tag}] {length}: {json.dumps(entry['restart'])} {entry['restart_clock']['steps_ms']}", flush=True)
+        write()
+    if not args.extras:
+        return
+    length = max(lengths)
+    ids = prompt(length, length, vocab)
+    entry = result[str(length)]
+    # vLLM's own floor: the same prefix from its GPU prefix cache, the same uncached tail
+    # computed (one chunk's forward, and all vLLM does per request at this length).
+    hit = (length - 1) // CHUNK * CHUNK
+    tail = ids[:hit] + prompt(length - hit, length + 1, vocab)
+    entry["local_tail"], entry["local_tail_clock"] = clock_request(lambda: engine.generate(tail))
+    warm = []
+    for _ in range(2):
+        engine.reset()
+        warm.append(engine.generate(ids))
+    entry["warm_restores"] = warm
+    engine.reset()
+    entry["clocked"], entry["clock"] = clock_request(lambda: engine.generate(ids))
+    engine.reset()
+    trace = out_dir(args) / f"trace-{args.tag}-{length}.json.gz"
+    entry["profiled"], entry["breakdown"] = profile_request(lambda: engine.generate(ids), trace)
+    for name in ("local_tail_clock", "clock", "breakdown"):
+        print(f"[{args.tag}] {length} {name}: {json.dumps(entry[name]['steps_ms'])}", flush=True)
+    write()
+
+
+RESTART_RING_MB = 1024
+"""The restart part's ring: GPU puts and RAM-tier hits go in place, not through it, and every
+engine start page-locks the whole segment (ring included) twice."""
+RESTART_WARMUP_TOKENS = 64
+"""Shorter than one chunk: warms vLLM (kernels, allocator) in every process; kvharbor neither
+looks it up nor stores it, so a restarted engine's first restore is the timed one."""
+
+
+class Gateway:
+    """The gateway one phase of the restart part runs against.
+
+    service: a ``kvharbor gateway`` process started here and stopped at the end;
+    embedded: the one the first engine starts, which must outlive that engine
+    (``gateway.linger_s``); stopped at the end, once the second engine is done.
+    """
+
+    def __init__(self, args: argparse.Namespace, mode: str, sections: dict[str, Any], config_path: Path) -> None:
+        self.mode = mode
+        self.section = load_sections(sections).gateway
+        self.process: subprocess.Popen[bytes] | None = None
+        if mode == "service":
+            log = open(out_dir(args) / "gateway-service.log", "wb")  # noqa: SIM115 - the process's life
+            command = [sys.executable, "-m", "kvharbor", "gateway", "--config", str(config_path), "--start-clean=1"]
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+            self.wait_serving(180)
+
+    def wait_serving(self, timeout_s: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            status = gateway_status(self.section)
+            if status is not None:
+                return status
+            if self.process is not None and self.process.poll() is not None:
+                raise SystemExit(f"bench: the {self.mode} gateway exited with {self.process.returncode}")
+            time.sleep(0.2)
+        raise SystemExit(f"bench: no {self.mode} gateway answered at {self.section.socket} in {timeout_s:.0f} s")
+
+    def stop(self) -> None:
+        status = gateway_status(self.section)
+        pid = self.process.pid if self.process is not None else (status or {}).get("pid")
+        if pid is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGTERM)
+        if self.process is not None:
+            self.process.wait(timeout=120)
+            return
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
+
+
+def bench_restart(args: argparse.Namespace) -> None:
+    """(c): TTFT of a freshly started engine for prompts the previous process stored."""
+    write_model(Path(args.model))
+    lengths = ",".join(str(n) for n in sorted((int(x) for x in args.lengths.split(",")), reverse=True))
+    work = Path(f"/tmp/kvh-restart-{os.getpid()}")
+    tiers = [{"name": "ram", "type": "ram", "capacity_gb": args.ram_gb}]
+    result: dict[str, Any] = {"lengths": lengths, "ram_gb": args.ram_gb, "ring_mb": RESTART_RING_MB, "phases": {}}
+    phases = result["phases"]
+    common = ["--lengths", lengths, "--warmup-tokens", str(RESTART_WARMUP_TOKENS)]
+    chosen = args.phases.split(",")
+    if "recompute" in chosen:
+        phases["recompute"] = {"exit": spawn_engine(args, "recompute", "restart-recompute", common)}
+    for mode in (m for m in chosen if m != "recompute"):
+        started = time.perf_counter()
+        (work / mode).mkdir(parents=True, exist_ok=True)
+        gateway = {"mode": "service"} if mode == "service" else {}  # embedded: the defaults (it lingers)
+        sections = kvharbor_sections(
+            work / mode, f"kvh-restart-{mode}-{os.getpid()}", tiers, RESTART_RING_MB, **gateway
+        )
+        config_path = work / mode / "kvharbor.yaml"
+        config_path.write_text(json.dumps(sections))  # JSON is YAML
+        phase: dict[str, Any] = {}
+        phases[mode] = phase
+        server = Gateway(args, mode, sections, config_path)
+        try:
+            extra = [*common, "--kvharbor", str(config_path)]
+            phase["store_exit"] = spawn_engine(args, "store", f"restart-{mode}-store", extra)
+            status = gateway_status(server.section)  # embedded: alive only if it outlived its engine
+            phase["gateway_after_store"] = None if status is None else {
+                k: status.get(k) for k in ("pid", "clients", "store")
+            }  # fmt: skip
+            extras = ["--extras"] if mode == args.extras_for else []
+            phase["restore_exit"] = spawn_engine(args, "restore", f"restart-{mode}-restore", [*extra, *extras])
+        finally:
+            server.stop()
+        detached_log = Path(server.section.socket + ".log")  # An embedded gateway's own log (it outlives engines).
+        if detached_log.exists():
+            (out_dir(args) / f"gateway-{mode}.log").write_bytes(detached_log.read_bytes())
+        phase["wall_s"] = round(time.perf_counter() - started, 1)
+    save(args, "restart", result)
 
 
 # -- the report --------------------------------------------------------------------
@@ -595,9 +817,8 @@ def report(args: argparse.Namespace) -> None:
         rec = engines["recompute"].get(key, {})
         kvh = engines["kvharbor"].get(key, {})
         nat = engines["native"].get(key, {})
-        rec_times = [x["ttft_s"] for x in (rec.get("cold"), rec.get("cold2")) if x]
         ttft[key] = {
-            "recompute_s": min(rec_times) if rec_times else None,
+            "recompute_s": best_cold(rec),
             "kvharbor_restore_s": min((x["ttft_s"] for x in kvh.get("restores", [])), default=None),
             "kvharbor_auto_s": kvh.get("auto", {}).get("ttft_s"),
             "vllm_native_s": min((x["ttft_s"] for x in nat.get("restores", [])), default=None),
@@ -608,18 +829,17 @@ def report(args: argparse.Namespace) -> None:
             "native_cached_tokens": max((x["cached"] for x in nat.get("restores", [])), default=None),
         }
 
-    def ratio(a: float | None, b: float | None) -> float | None:
-        return round(a / b, 3) if a and b else None
-
     t32, t130 = ttft["32768"], ttft["130000"]
     slow = engines["slowtier"].get("32768", {})
+    restart = restart_figures(load)
     summary = {
         "benchmark": "bench/gpu.py",
         "date": time.strftime("%Y-%m-%d"),
-        "machine": raw.get("machine") or engines["kvharbor"].get("machine"),
+        "machine": raw.get("machine") or engines["kvharbor"].get("machine") or restart.get("machine"),
         "raw": {k: v for k, v in raw.items() if k != "machine"},
         "gateway": {k: v for k, v in gw.items() if k not in ("machine", "gateway_status")},
         "ttft": ttft,
+        "restart": restart,
         "slow_tier": {
             "first_ttft_s": slow.get("first", {}).get("ttft_s"),
             "second_ttft_s": slow.get("second", {}).get("ttft_s"),
@@ -632,6 +852,7 @@ def report(args: argparse.Namespace) -> None:
             "ttft_restore_vs_recompute_32k": ratio(t32["kvharbor_restore_s"], t32["recompute_s"]),
             "ttft_restore_vs_recompute_130k": ratio(t130["kvharbor_restore_s"], t130["recompute_s"]),
             "ttft_vs_vllm_native_130k": ratio(t130["kvharbor_restore_s"], t130["vllm_native_s"]),
+            **restart.pop("ratios"),
         },
     }
     (d / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -640,24 +861,76 @@ def report(args: argparse.Namespace) -> None:
     print(json.dumps(summary))
 
 
+def ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
+
+
+def best_cold(entry: dict[str, Any]) -> float | None:
+    """A recompute's figure: the better of its two cold prefills (the first is a fresh
+    process's, the second has every kernel warm)."""
+    times = [x["ttft_s"] for x in (entry.get("cold"), entry.get("cold2")) if x]
+    return min(times) if times else None
+
+
+def restart_figures(load: Any) -> dict[str, Any]:
+    """(c) in the report: per gateway mode and length, the restarted engine's TTFT beside
+    recompute; the ratios ``ttft_restart_vs_recompute_<32k|130k>_<service|embedded>``."""
+    recompute = load("engine-restart-recompute")
+    figures: dict[str, Any] = {"machine": recompute.get("machine"), "ratios": {}}
+    lengths = sorted(int(n) for n in load("restart").get("lengths", "").split(",") if n)
+    for mode in ("service", "embedded"):
+        restored = load(f"engine-restart-{mode}-restore")
+        for length in lengths:
+            label = f"{length // 1000}k"  # 32768 -> 32k, 130000 -> 130k
+            rec, got = recompute.get(str(length), {}), restored.get(str(length), {})
+            first = got.get("restart")
+            cold = best_cold(rec)
+            entry: dict[str, Any] = {
+                "recompute_s": cold,
+                "restart_ttft_s": first and first["ttft_s"],
+                "restart_cached_tokens": first and first["cached"],
+                "first_token_matches_recompute": (first["token"] == rec["cold"]["token"]) if first and rec else None,
+            }
+            if "local_tail" in got:
+                entry["vllm_gpu_hit_same_tail_s"] = got["local_tail"]["ttft_s"]
+                entry["warm_restore_s"] = min(x["ttft_s"] for x in got["warm_restores"])
+                for name, part in (("clocked_restore", "clock"), ("clocked_gpu_hit", "local_tail_clock")):
+                    entry[f"{name}_steps_ms"] = got.get(part, {}).get("steps_ms")
+                entry["profiled_restore_steps_ms"] = got.get("breakdown", {}).get("steps_ms")
+            figures[f"{label}_{mode}"] = entry
+            figures["ratios"][f"ttft_restart_vs_recompute_{label}_{mode}"] = ratio(entry["restart_ttft_s"], cold)
+    return figures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("part", choices=["raw", "gateway", "e2e", "engine", "report"])
+    parser.add_argument("part", choices=["raw", "gateway", "e2e", "restart", "engine", "report"])
     parser.add_argument("--out")
     parser.add_argument("--json", action="store_true", help="report: print only the one-line JSON")
     parser.add_argument("--chunks", type=int, default=128, help="raw/gateway: chunks moved (32 MiB each)")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--ring-mb", type=int, default=6144)
+    parser.add_argument("--profile", action="store_true", help="gateway: profile one more restore (steps, DMA)")
     parser.add_argument("--model", default="/tmp/kvh-llama31-8b")
     parser.add_argument("--modes", default="recompute,kvharbor,native,slowtier")
-    parser.add_argument("--mode")
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     parser.add_argument("--engine-timeout", type=int, default=900)
     parser.add_argument("--max-model-len", type=int, default=131072)
-    args = parser.parse_args()
-    {"raw": bench_raw, "gateway": bench_gateway, "e2e": bench_e2e, "engine": run_engine, "report": report}[args.part](
-        args
+    parser.add_argument("--warmup-tokens", type=int, default=2048, help="engine: the warm-up prompt's length")
+    parser.add_argument("--ram-gb", type=float, default=22.0, help="restart: the RAM tier's capacity")
+    parser.add_argument(
+        "--phases", default="recompute,service,embedded", help="restart: recompute and the gateway modes, in order"
     )
+    parser.add_argument("--extras-for", default="service", help="restart: the mode whose restore adds the breakdown")
+    # The engine part's own (the parts above start it).
+    parser.add_argument("--mode", help=argparse.SUPPRESS)
+    parser.add_argument("--tag", help=argparse.SUPPRESS)
+    parser.add_argument("--kvharbor", help=argparse.SUPPRESS)
+    parser.add_argument("--extras", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    parts = {"raw": bench_raw, "gateway": bench_gateway, "e2e": bench_e2e, "restart": bench_restart}
+    parts.update(engine=run_engine, report=report)
+    parts[args.part](args)
 
 
 if __name__ == "__main__":

@@ -166,6 +166,12 @@ class GatewaySection(_Section):
     """A gateway allocates its whole segment before it answers: ~19 s for 29 GiB (a 24 GiB RAM
     tier) on the H200 host, whose memory is backed on first touch."""
     stop_timeout_ms: int = Field(5000, gt=0, description="how long a stopping gateway waits for requests in flight")
+    linger_s: float = Field(
+        600.0, ge=0, allow_inf_nan=False, description="seconds an embedded gateway outlives its clients"
+    )
+    """An embedded gateway whose last client detached keeps serving (its RAM tier intact)
+    this long, so that an engine restarted within it restores from RAM; then it exits.
+    0: it stops with the engine that started it. A service-mode gateway never stops by itself."""
     clients_max: int = Field(64, gt=0)
     checksum_threads: int = Field(8, gt=0, le=64, description="threads that checksum a put batch's values at once")
     """A GPU writes values in place by DMA at tens of GB/s; one thread checksums ~10."""

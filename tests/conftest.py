@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from kvharbor.demo.model import build_tiny_model
+from kvharbor.gateway import embedded
 from tests.support.real_gateway import RealGateway
 
 
@@ -25,3 +30,20 @@ def real_gateway(tmp_path: Path) -> Iterator[RealGateway]:
         yield gateway
     finally:
         gateway.close()
+
+
+GATEWAY_EXIT_TIMEOUT_S = 30.0
+
+
+@pytest.fixture(autouse=True)
+def _stop_embedded_gateways_started_here() -> Iterator[None]:
+    """An embedded gateway outlives the process that started it (`gateway.linger_s`): one that
+    a test started in this process is stopped when the test ends, so none lingers into the
+    next test, or past the run, with its RAM tier."""
+    before = set(embedded.started_here())
+    yield
+    for pid in set(embedded.started_here()) - before:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        with contextlib.suppress(psutil.NoSuchProcess):
+            psutil.Process(pid).wait(GATEWAY_EXIT_TIMEOUT_S)

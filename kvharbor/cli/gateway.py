@@ -4,15 +4,18 @@
 
 ``--start-clean=1`` empties every tier at start; ``0``, the default, keeps the
 cache, so that an engine restarted alone finds its prefixes again. The
-process serves until SIGTERM or SIGINT. ``--ready-fd`` and ``--parent-fd``
-are internal: embedded mode (`kvharbor.gateway.embedded`) starts the gateway
-with them to learn when it serves and to stop it when the engine exits.
+process serves until SIGTERM or SIGINT. ``--ready-fd``, ``--parent-fd`` and
+``--embedded`` are internal: embedded mode (`kvharbor.gateway.embedded`) starts
+the gateway with them to learn when it serves, to detach it from the engine
+(`kvharbor.gateway.detach`) and to let its clients decide its life
+(``gateway.linger_s``), or, at ``linger_s: 0``, to stop it when the engine exits.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 from kvharbor.cli import Subparsers, add_config_argument, config_from_args
 
@@ -52,11 +55,22 @@ def add_parser(subparsers: Subparsers) -> None:
     # Internal, for embedded mode; not shown in --help.
     parser.add_argument("--ready-fd", type=_open_fd, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--parent-fd", type=_open_fd, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--embedded", action="store_true", help=argparse.SUPPRESS)
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)  # A bad config: ConfigError, printed as kvharbor: error: (exit 2).
+    linger_s = 0.0
+    if args.embedded:
+        if args.ready_fd is None:
+            raise SystemExit("kvharbor: error: --embedded needs --ready-fd")
+        from kvharbor.gateway.detach import detach, log_path
+
+        detach(args.ready_fd, log_path(Path(config.gateway.socket)))  # Returns in the gateway only.
+        linger_s = config.gateway.linger_s
     from kvharbor.gateway.process import run_gateway  # Heavy: the store and its drivers.
 
-    return run_gateway(config, start_clean=args.start_clean, ready_fd=args.ready_fd, parent_fd=args.parent_fd)
+    return run_gateway(
+        config, start_clean=args.start_clean, ready_fd=args.ready_fd, parent_fd=args.parent_fd, linger_s=linger_s
+    )

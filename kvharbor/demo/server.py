@@ -176,10 +176,11 @@ class VllmServer:
             found[name] = found.get(name, 0.0) + float(value)
         return found
 
-    def stop(self) -> None:
-        """SIGTERM to the server's process group; SIGKILL if it does not exit in time."""
+    def stop(self, signum: signal.Signals = signal.SIGTERM) -> None:
+        """``signum`` (SIGINT: as Ctrl-C does) to the server's process group; SIGKILL if it
+        does not exit in time."""
         if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
+            os.killpg(self.process.pid, signum)
             try:
                 self.process.wait(STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:

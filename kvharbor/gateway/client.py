@@ -48,7 +48,7 @@ from kvharbor import __version__
 from kvharbor.cache.format import copy_with_checksum
 from kvharbor.config import GatewaySection
 from kvharbor.gateway import protocol as p
-from kvharbor.gateway.access import denied_hint
+from kvharbor.gateway.access import denied_hint, peer_of
 from kvharbor.gateway.shm import Segment, ShmDenied, ShmUnavailable
 from kvharbor.gateway.wire import FrameReader, PeerClosed, send_message
 from kvharbor.hal.base import Buffer
@@ -83,6 +83,16 @@ class GatewayNotRunning(GatewayUnavailable):
 
 class VersionMismatch(GatewayError):
     pass
+
+
+class GatewaySteppingAside(GatewayUnavailable):
+    """An idle embedded gateway that cannot serve this client exits instead (see
+    `kvharbor.gateway.lifetime`); once it has, a new one can be started."""
+
+    def __init__(self, text: str, gateway_pid: int) -> None:
+        super().__init__(f"STEPPING_ASIDE: {text}")
+        self.gateway_pid = gateway_pid
+        """The exiting gateway, from the socket's peer credentials; 0 if not visible here."""
 
 
 class ConfigMismatch(GatewayError):
@@ -186,6 +196,10 @@ class GatewayClient:
             sock.close()
             raise GatewayUnavailable(f"gateway at {section.socket} did not complete the handshake: {err}") from None
         if isinstance(reply, p.Error):
+            if reply.code is p.ErrorCode.STEPPING_ASIDE:
+                pid = peer_of(sock).pid
+                sock.close()
+                raise GatewaySteppingAside(reply.text, pid)
             sock.close()
             refused = _REFUSED_HELLO.get(reply.code)
             if refused is not None:

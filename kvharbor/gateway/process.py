@@ -45,17 +45,24 @@ def _signal_ready(ready_fd: int) -> bool:
     return True
 
 
-def run_gateway(config: Config, start_clean: bool, ready_fd: int | None = None, parent_fd: int | None = None) -> int:
-    """Serve until SIGTERM/SIGINT (or the parent's exit); returns the exit status.
+def run_gateway(
+    config: Config,
+    start_clean: bool,
+    ready_fd: int | None = None,
+    parent_fd: int | None = None,
+    linger_s: float = 0.0,
+) -> int:
+    """Serve until SIGTERM/SIGINT (or the parent's exit, or idle for ``linger_s``); returns the exit status.
 
     ``ready_fd``: a pipe to write ``ready`` to once clients can connect.
     ``parent_fd``: the read end of a pipe whose writer is the process this
-    gateway lives for (embedded mode); its closing stops the gateway.
+    gateway lives for (embedded mode, ``linger_s`` 0); its closing stops the gateway.
+    ``linger_s`` > 0: an embedded gateway whose clients decide its life (`kvharbor.gateway.lifetime`).
     """
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s")
     keep_freed_memory()  # Before the store allocates anything.
-    gateway = Gateway(config, start_clean=start_clean)
+    gateway = Gateway(config, start_clean=start_clean, linger_s=linger_s)
     try:
         gateway.start()
     except GatewayStartError as err:

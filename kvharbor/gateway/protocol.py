@@ -75,6 +75,9 @@ class ErrorCode(enum.IntEnum):
     """The client's storage or card section is not the gateway's (HELLO)."""
     ACCESS_DENIED = 10
     """The client's user is not admitted by the gateway's ``gateway.access`` (at accept)."""
+    STEPPING_ASIDE = 11
+    """An idle embedded gateway that cannot serve this client (another release, its
+    segment gone) exits instead; the client waits for its exit and starts its own."""
 
 
 class ProtocolError(Exception):
@@ -220,6 +223,10 @@ class Message:
 
 @dataclass(frozen=True, slots=True)
 class Hello(Message):
+    """The first message of every client. Its first four fields are frozen across
+    protocols, and a HELLO of another protocol is read up to them (the rest ignored):
+    a gateway must read any release's HELLO, to refuse it by name or to step aside for it."""
+
     TYPE: ClassVar[MessageType] = MessageType.HELLO
     protocol: int
     release: str

@@ -32,6 +32,7 @@ from kvharbor.cache.store import TieredStore
 from kvharbor.config import MIB, Config
 from kvharbor.gateway import protocol as p
 from kvharbor.gateway.access import AccessPolicy, Peer, peer_of
+from kvharbor.gateway.lifetime import Lifetime
 from kvharbor.gateway.shm import (
     PAGE_BYTES,
     Segment,
@@ -59,7 +60,7 @@ whole pages, so the region must hold a little more than the budget counts."""
 ACCEPT_RETRY_MS = 100
 """Back-off after a failed accept (e.g. out of file descriptors) before trying again."""
 
-CLOSING_REFUSALS = frozenset({p.ErrorCode.VERSION_MISMATCH, p.ErrorCode.CONFIG_MISMATCH})
+CLOSING_REFUSALS = frozenset({p.ErrorCode.VERSION_MISMATCH, p.ErrorCode.CONFIG_MISMATCH, p.ErrorCode.STEPPING_ASIDE})
 """Refused HELLOs after which the connection is closed: nothing else could be served on it."""
 
 
@@ -121,7 +122,9 @@ class GatewayCounters:
 
 
 class Gateway:
-    def __init__(self, config: Config, start_clean: bool = False) -> None:
+    def __init__(self, config: Config, start_clean: bool = False, linger_s: float = 0.0) -> None:
+        """``linger_s`` > 0: an embedded gateway whose life its clients decide (`Lifetime`);
+        0: it serves until stopped (a signal, or its embedding engine's exit)."""
         self.config = config
         self.start_clean = start_clean
         self.socket_path = Path(config.gateway.socket)
@@ -145,6 +148,7 @@ class Gateway:
         self._stop_lock = threading.Lock()
         self._stopped = False
         self._once = OnceLog(_log)
+        self._lifetime = Lifetime(linger_s, self.stop) if linger_s > 0 else None
 
     # -- life cycle --------------------------------------------------------
 
@@ -179,6 +183,8 @@ class Gateway:
         except OSError as err:
             raise _cannot("grant gateway.access on", self.socket_path, "gateway.access", err) from None
         listener.listen(gw.clients_max)
+        if self._lifetime is not None:
+            self._lifetime.start()
         _log.info(
             "kvharbor: gateway %s (protocol %d, pid %d) serving %s, shared memory %s (%d MiB), start-clean=%d",
             __version__, p.PROTOCOL_VERSION, os.getpid(), self.socket_path, self.segment.path,
@@ -289,6 +295,8 @@ class Gateway:
                 return
             self._stopped = True
             self._stopping.set()
+            if self._lifetime is not None:
+                self._lifetime.close()
             if self._listener is not None:
                 with contextlib.suppress(OSError):
                     self._listener.shutdown(socket.SHUT_RDWR)
@@ -376,6 +384,8 @@ class Gateway:
                     reply = self._answer(connection, frame.type, body)
                 except p.ProtocolError as err:
                     self._reject(connection, err, frame.request_id)
+                    if err.code is p.ErrorCode.STEPPING_ASIDE and self._lifetime is not None:
+                        self._lifetime.told()  # Only now: its stop hangs up on this connection too.
                     if err.code in CLOSING_REFUSALS:
                         return
                     continue
@@ -389,6 +399,9 @@ class Gateway:
         message = p.decode_body(kind, body)
         if not connection.greeted and not isinstance(message, p.Hello):
             raise p.ProtocolError(p.ErrorCode.NOT_READY, "the first message must be HELLO")
+        if connection.greeted and isinstance(message, p.Hello):
+            # One client per connection: a second HELLO must not count it twice (see `Lifetime`).
+            raise p.ProtocolError(p.ErrorCode.MALFORMED, "HELLO was sent already on this connection")
         try:
             reply = self._handle(message, connection)
         except (p.ProtocolError, OSError):
@@ -420,6 +433,8 @@ class Gateway:
         with self._clients_lock:
             self._clients.pop(connection.sock, None)
         connection.sock.close()
+        if connection.greeted and self._lifetime is not None:
+            self._lifetime.detach()  # Last: every request of this client has been answered.
 
     def _handle(self, message: p.Message, connection: _Connection) -> p.Message:
         store, transfers, progress = self.store, self.transfers, connection.progress
@@ -458,12 +473,15 @@ class Gateway:
         raise p.ProtocolError(p.ErrorCode.MALFORMED, f"{type(message).__name__} is not a request")
 
     def _hello(self, hello: p.Hello) -> p.Message:
+        assert self.segment is not None
+        who = f"client {hello.client!r} (pid {hello.pid})"
         if hello.protocol != p.PROTOCOL_VERSION or hello.release != __version__:
-            raise p.ProtocolError(
-                p.ErrorCode.VERSION_MISMATCH,
-                f"client {hello.client!r} (pid {hello.pid}) is release {hello.release} protocol {hello.protocol}; "
-                f"gateway is release {__version__} protocol {p.PROTOCOL_VERSION}: deploy both from the same release",
+            mismatch = (
+                f"{who} is release {hello.release} protocol {hello.protocol}; "
+                f"gateway (pid {os.getpid()}) is release {__version__} protocol {p.PROTOCOL_VERSION}"
             )
+            self._step_aside(f"{who} is release {hello.release}", f"VERSION_MISMATCH, {mismatch}")
+            raise p.ProtocolError(p.ErrorCode.VERSION_MISMATCH, f"{mismatch}: {self._mismatch_hint()}")
         served = self.config.gateway.config_digest
         differing = served.differing(hello.config_digest)
         if differing:
@@ -476,10 +494,36 @@ class Gateway:
                 "sections: give this engine the gateway's, or a gateway.socket of its own (left unset, 'derived', "
                 "every config gets a gateway of its own)",
             )
-        assert self.segment is not None
+        if self._lifetime is not None:
+            if not self.segment.path.exists():
+                self._step_aside(f"its shared memory {self.segment.path} was removed", "")
+            if not self._lifetime.attach():
+                raise p.ProtocolError(p.ErrorCode.STEPPING_ASIDE, f"embedded gateway (pid {os.getpid()}) is stopping")
         _log.info("kvharbor: client %r (pid %d) attached", hello.client, hello.pid)
         return p.HelloOk(
             p.PROTOCOL_VERSION, __version__, str(self.segment.path), self.segment.size, self.ring_bytes, os.getpid()
+        )
+
+    def _step_aside(self, why: str, detail: str) -> None:
+        """An embedded gateway with no clients that cannot serve a new one exits for it:
+        raises STEPPING_ASIDE (the client waits for the exit, then starts its own)."""
+        if self._lifetime is not None and self._lifetime.step_aside(why):
+            raise p.ProtocolError(
+                p.ErrorCode.STEPPING_ASIDE,
+                f"{detail + '; ' if detail else ''}embedded gateway (pid {os.getpid()}) had no clients and "
+                f"steps aside ({why}): wait for it to exit, then start a new one",
+            )
+
+    def _mismatch_hint(self) -> str:
+        """How to clear a refused release, for the one who reads the refusal."""
+        if self._lifetime is not None:
+            return (
+                f"it serves {self._lifetime.clients} client(s) of its release and steps aside once they detach; "
+                "or deploy both from the same release"
+            )
+        return (
+            f"deploy both from the same release, or stop this gateway (kill {os.getpid()}) and start the one "
+            "of the engine's release"
         )
 
     # -- helpers -----------------------------------------------------------

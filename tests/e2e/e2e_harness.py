@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import select
 import shutil
 import signal
@@ -26,7 +27,10 @@ from typing import Any
 
 import yaml
 
+from kvharbor.config import load_config
 from kvharbor.demo.server import VllmServer
+from kvharbor.gateway import detach
+from kvharbor.gateway.client import GatewayClient, GatewayError
 from kvharbor.hal.file import FileDevice
 
 DRIVER = Path(__file__).with_name("driver.py")
@@ -40,6 +44,7 @@ CHUNK = 256
 BLOCK = 128
 """vLLM's block size on the CPU backend."""
 OFF_LINE = "external KV cache turned off on this rank"
+STARTED_LINE = re.compile(r"kvharbor: started an embedded gateway \(pid (\d+)\)")
 
 
 def bound(num_tokens: int, chunk: int = CHUNK, block: int = BLOCK) -> int:
@@ -103,8 +108,11 @@ class Lab:
         self.config_path = self.write_config()
         self._runs = 0
         self._services: list[subprocess.Popen[bytes]] = []
+        self._embedded: set[int] = set()
+        """Pids of the embedded gateways the engines started: they outlive them (gateway.linger_s)."""
 
-    def write_config(self, mode: str = "embedded", **engine: Any) -> Path:
+    def write_config(self, mode: str = "embedded", tiers: list[dict[str, Any]] | None = None, **engine: Any) -> Path:
+        """The lab's config (a file tier unless ``tiers`` says otherwise); ``engine``: its engine section."""
         document: dict[str, Any] = {
             "gateway": {
                 "mode": mode,
@@ -113,7 +121,9 @@ class Lab:
                 "ring_mb": 64,
                 "shm_reserve_mb": 0,
             },
-            "storage": {"tiers": [{"name": "local", "type": "file", "path": str(self.cache), "capacity_gb": 2}]},
+            "storage": {
+                "tiers": tiers or [{"name": "local", "type": "file", "path": str(self.cache), "capacity_gb": 2}]
+            },
         }
         if engine:
             document["engine"] = engine
@@ -170,6 +180,7 @@ class Lab:
             text = log_path.read_text(errors="replace")
             records = [json.loads(line[4:]) for line in text.splitlines() if line.startswith("E2E {")]
             runs.append(Run(returncode, records, text))
+            self._embedded.update(int(pid) for pid in STARTED_LINE.findall(text))
         return runs
 
     def start_gateway(self) -> subprocess.Popen[bytes]:
@@ -205,7 +216,37 @@ class Lab:
         path = self.root / "gateway.log"
         return path.read_text(errors="replace") if path.exists() else ""
 
+    def embedded_gateway_log(self) -> str:
+        """The log of the embedded gateway an engine started (it writes beside its socket)."""
+        path = detach.log_path(self.socket)
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def gateway_client(self) -> GatewayClient:
+        """A client of the lab's gateway, for its status (it counts as attached while open)."""
+        return GatewayClient.connect(load_config(self.config_path, environ={}).gateway, "e2e-test")
+
+    def _end_lingering_gateways(self) -> None:
+        """End the embedded gateways of this test's engines, which outlive them (gateway.linger_s):
+        those the engines' logs named, and the one at the lab's socket (a server's)."""
+        pids = set(self._embedded)
+        try:
+            client = self.gateway_client()
+        except GatewayError:
+            pass  # None answers (or one we cannot use: it is among those the logs named).
+        else:
+            pids.add(client.hello.gateway_pid)
+            client.close()
+        for pid in pids:
+            try:
+                command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue  # Gone already.
+            if b"kvharbor" in command and b"gateway" in command:  # Not a process that reused its pid.
+                os.kill(pid, signal.SIGTERM)
+                assert detach.wait_for_exit(pid, READY_TIMEOUT_S), f"the embedded gateway (pid {pid}) ignored SIGTERM"
+
     def close(self) -> None:
+        self._end_lingering_gateways()
         for process in self._services:
             if process.poll() is None:
                 process.send_signal(signal.SIGKILL)
@@ -215,12 +256,16 @@ class Lab:
         shutil.rmtree(self.runtime, ignore_errors=True)
 
 
-def start_server(lab: Lab) -> VllmServer:
-    """vLLM's OpenAI server on the tiny model with ``KVHARBOR=1``, multiprocessing on (as users run it)."""
+def start_server(lab: Lab, graceful: bool = True) -> VllmServer:
+    """vLLM's OpenAI server on the tiny model with ``KVHARBOR=1``, multiprocessing on (as users run it).
+
+    ``graceful``: ``--shutdown-timeout 30``, which lets the workers finish their last saves;
+    else vLLM's default (0 s), which kills the engine and all its descendants at once.
+    """
     env = lab.env()
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
     log = lab.root / f"server-{uuid.uuid4().hex[:6]}.log"
-    # A graceful stop lets the workers finish their last saves; vLLM's default
-    # (0 s) kills the engine and its children at once, in-flight writes included.
-    args = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "4096", "--shutdown-timeout", "30"]
+    args = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "4096"]
+    if graceful:
+        args += ["--shutdown-timeout", "30"]
     return VllmServer(lab.model, log, env, name="tiny", args=args, cwd=lab.root)

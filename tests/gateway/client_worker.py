@@ -14,11 +14,23 @@ import signal
 import sys
 import traceback
 
-from gateway_harness import FINGERPRINT, get_values, keys_of, put_values, roundtrip, shared_items, value_for
+from gateway_harness import (
+    FINGERPRINT,
+    VALUE_BYTES,
+    fill,
+    get_values,
+    keys_of,
+    put_values,
+    roundtrip,
+    shared_items,
+    value_for,
+)
 
 from kvharbor.config import load_config
 from kvharbor.gateway import embedded
 from kvharbor.gateway.client import GatewayClient, GatewayError
+from kvharbor.gateway.protocol import PutCommit
+from kvharbor.gateway.wire import send_message
 from tests.support.as_user import ENV, become
 
 
@@ -36,8 +48,20 @@ def main(mode: str, config_path: str, *args: str) -> int:
     config = load_config(config_path, environ={})
     if mode == "embedded":
         client = embedded.connect(config, "worker")
-        say(f"{client.hello.gateway_pid}")
-        if args == ("fork",):
+        started = client.hello.gateway_pid in embedded.started_here()
+        say(f"{client.hello.gateway_pid} {'started' if started else 'attached'}")
+        if args and args[0] == "put":
+            # Values for the next engine, then the cue to end.
+            put_values(client, [(key, VALUE_BYTES) for key in keys_of(int(args[1]))])
+            say("stored")
+        elif args and args[0] == "commit-and-die":
+            # A commit in flight when this client dies: sent, its answer never read (the test SIGKILLs us).
+            items = [(key, VALUE_BYTES) for key in keys_of(int(args[1]))]
+            batch = client.prepare_put(FINGERPRINT, items)
+            fill(batch, items)
+            send_message(client._sock, PutCommit(batch.batch, []), 999)
+            say("committing")
+        elif args == ("fork",):
             # A child of the engine (a worker it forks) that outlives it, holding
             # copies of its descriptors but not its pipes to the test; it ends on SIGTERM.
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})

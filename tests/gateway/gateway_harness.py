@@ -24,12 +24,15 @@ import yaml
 
 from kvharbor.cache.keys import KEY_BYTES
 from kvharbor.config import Config, load_config
+from kvharbor.gateway import detach
 from kvharbor.gateway.client import GatewayClient, PutBatch
 
 WAIT_S = 30.0
 """Bound on every wait for a process or a condition; far above what a healthy run needs."""
 WORKER = Path(__file__).with_name("client_worker.py")
 FINGERPRINT = bytes(range(KEY_BYTES))
+VALUE_BYTES = 100_000
+"""The size of the values the embedded workers store."""
 
 
 def value_for(key: bytes, size: int) -> bytes:
@@ -81,16 +84,8 @@ def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = WAIT
 
 
 def wait_for_exit(pid: int, timeout_s: float = WAIT_S) -> None:
-    """Wait for any process (not only a child) to exit, through a pidfd."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return
-    try:
-        ready, _, _ = select.select([fd], [], [], timeout_s)
-        assert ready, f"pid {pid} still running after {timeout_s} s"
-    finally:
-        os.close(fd)
+    """Wait for any process (not only a child) to exit."""
+    assert detach.wait_for_exit(pid, timeout_s), f"pid {pid} still running after {timeout_s} s"
 
 
 def pid_running(pid: int) -> bool:
@@ -287,6 +282,8 @@ class Lab:
         self.gateways: list[GatewayProcess] = []
         self.workers: list[Worker] = []
         self.shm: set[tuple[Path, str]] = set()
+        self.detached: set[int] = set()
+        """Pids of embedded gateways (no children of ours: they linger) to end at teardown."""
 
     def config(self, name: str = "gw", **kw: Any) -> Path:
         path = write_config(self.tmp_path / name, **kw)
@@ -309,5 +306,9 @@ class Lab:
         for gateway in self.gateways:
             if gateway.process is not None:
                 gateway.kill()
+        for pid in self.detached:
+            if pid_running(pid):
+                os.kill(pid, signal.SIGKILL)
+                wait_for_exit(pid)
         for shm_dir, shm_name in self.shm:
             remove_segments(shm_dir, shm_name)

@@ -113,6 +113,11 @@ def test_each_bad_message_gets_its_code_and_the_gateway_serves_on(gateway: Gatew
                 ErrorCode.MALFORMED,
             ),
             "trailing bytes": (MessageType.STATUS, b"\0", ErrorCode.MALFORMED),
+            "a second HELLO": (
+                MessageType.HELLO,
+                p.Hello(p.PROTOCOL_VERSION, __version__, os.getpid(), "raw", raw.digest).body(),
+                ErrorCode.MALFORMED,
+            ),
         }
         for name, (kind, body, code) in cases.items():
             assert raw.refused(kind, body) is code, name
@@ -137,7 +142,7 @@ def test_each_bad_message_gets_its_code_and_the_gateway_serves_on(gateway: Gatew
         rejected = bystander.status()["counters"]["rejected"]
         assert rejected == {
             "NOT_READY": 1,
-            "MALFORMED": 6,
+            "MALFORMED": 7,
             "BAD_KEY": 3,
             "TOO_LARGE": 4,
             "UNKNOWN_BATCH": 3,

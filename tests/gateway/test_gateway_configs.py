@@ -36,7 +36,8 @@ def derived_config(directory: Path, files: Path) -> Path:
     """An embedded-mode config that names no socket or shm_name: both derived from its tiers."""
     directory.mkdir(parents=True)
     document = {
-        "gateway": {"mode": "embedded", "ring_mb": 16, "ring_mb_min": 1, "shm_reserve_mb": 0},
+        # linger_s 0: each gateway goes with its engine, so the test sees one go while the other serves.
+        "gateway": {"mode": "embedded", "ring_mb": 16, "ring_mb_min": 1, "shm_reserve_mb": 0, "linger_s": 0},
         "storage": {"tiers": [{"name": "local", "type": "file", "path": str(files), "capacity_gb": 0.1,
                                "fsync": False}]},
     }  # fmt: skip

@@ -27,6 +27,8 @@ def test_other_release_is_refused_and_the_gateway_serves_on(started: Callable[..
     message = str(caught.value)
     assert message.startswith("VERSION_MISMATCH")
     assert "release 9.9.9" in message and f"release {__version__}" in message
+    # A service-mode gateway never steps aside; it says how to clear it.
+    assert f"stop this gateway (kill {gateway.pid})" in message
     with pytest.raises(VersionMismatch, match="protocol 99"):
         GatewayClient.connect(gateway.config.gateway, "odd-engine", protocol=99)
     with closing_client(gateway.client("right-engine")) as client:

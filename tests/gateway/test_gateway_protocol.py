@@ -158,3 +158,12 @@ def test_a_full_batch_fits_the_smallest_message_limit() -> None:
         len(p.Lookup(0, full).body()),
     )
     assert largest <= smallest
+
+
+def test_a_hello_of_another_protocol_is_read_up_to_its_frozen_fields() -> None:
+    """A gateway must read any release's HELLO (to refuse it by name, or step aside for it):
+    after its first four fields, one of another protocol may hold anything. Other messages stay strict."""
+    hello = p.Hello(p.PROTOCOL_VERSION + 1, "9.9.9", 42, "engine", p.ConfigDigest(()))
+    assert p.decode_body(p.MessageType.HELLO, hello.body() + b"fields of another protocol") == hello
+    with pytest.raises(ProtocolError, match="trailing bytes"):
+        p.decode_body(p.MessageType.STATUS, p.Status().body() + b"x")

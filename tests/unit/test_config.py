@@ -121,6 +121,9 @@ def _tiers(*tiers: dict[str, Any]) -> dict[str, Any]:
             ["storage.tiers", "tiers[0] (disk)", "path"],
             id="file tier without path",
         ),
+        pytest.param({"gateway": {"linger_s": -1}}, ["gateway.linger_s", "greater than or equal"], id="linger < 0"),
+        pytest.param({"gateway": {"linger_s": "abc"}}, ["gateway.linger_s", "'abc'"], id="linger not a number"),
+        pytest.param({"gateway": {"linger_s": "nan"}}, ["gateway.linger_s", "finite"], id="linger nan"),
         pytest.param(
             {"gateway": {"ring_mb": 32, "ring_mb_min": 64}},
             ["gateway.ring_mb", "gateway.ring_mb_min"],

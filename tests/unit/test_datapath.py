@@ -430,6 +430,39 @@ def test_the_data_path_turns_the_cache_off_when_pinning_fails(
         path.close()
 
 
+def test_the_load_staging_is_reserved_at_start_and_a_device_without_room_turns_the_cache_off(
+    gateway_config: Any, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, _ = data_path(gateway_config, make_copy("device", layers()))
+    try:
+        assert path.map()
+        copy = path.copy
+        assert isinstance(copy, DeviceCopy)
+        slots = list(copy._slots)
+        assert len(slots) == 2 and all(s.numel() == copy.chunks_per_load * copy.chunk_bytes for s in slots)
+    finally:
+        path.close()
+    # A GPU without room for the two slots (CPU tensors cannot run out: the allocator is made to).
+    real_empty = torch.empty
+    slot_bytes = copy.chunks_per_load * copy.chunk_bytes
+
+    def empty(*size: Any, **kwargs: Any) -> Any:
+        if size == (slot_bytes,) and kwargs.get("dtype") is torch.uint8:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 256.00 MiB")
+        return real_empty(*size, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    path, _ = data_path(gateway_config, make_copy("device", layers()))
+    try:
+        assert not path.map()
+        assert path.mappings == [] and path._load_link.is_off
+        assert "load staging slots" in caplog.text and "engine.load_batch_mb" in caplog.text
+        assert "keeps serving" in caplog.text
+        assert path.load(ChunkTransfer("r", [[b"k" * 16]], block_ids=[1, 2, 3, 4])) == 0  # recomputed
+    finally:
+        path.close()
+
+
 def test_a_step_that_waited_for_staging_is_not_a_prefill_sample() -> None:
     switch = RankSwitch()
     links = (

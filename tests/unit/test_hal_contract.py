@@ -17,12 +17,15 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvharbor.hal.base import STREAM_SLICE_BYTES, BufferTooSmall, Device, HealthState
+from kvharbor.hal.block.store import BlockStoreDevice
 from kvharbor.hal.file import FileDevice
+from kvharbor.hal.nvme.kv_device import open_kv_namespace
 from kvharbor.hal.ram import RamDevice
 from kvharbor.hal.shm_ram import SharedRamDevice
 from kvharbor.hal.sim.clock import ScaledClock, VirtualClock
 from kvharbor.hal.sim.device import SimCardDevice
 from kvharbor.hal.sim.params import CardParams
+from tests.support.nvme_kv_standin import KvNamespaceStandIn
 
 MAX_VALUE_BYTES = 64 * 1024
 DeviceFactory = Callable[[Path], Device]
@@ -37,6 +40,14 @@ DRIVERS: dict[str, DeviceFactory] = {
     # The simulated card, on virtual time and on real time scaled a thousand times faster.
     "sim": lambda _: SimCardDevice("card", SIM_PARAMS, VirtualClock()),
     "sim_scaled": lambda _: SimCardDevice("card", SIM_PARAMS, ScaledClock(time_scale=1e-3)),
+    # Block mode on a file: 30 regions, each holding at least one value of the limit.
+    "block": lambda root: BlockStoreDevice(
+        "card", str(root), MAX_VALUE_BYTES, region_bytes=128 * 1024, create_bytes=30 * 128 * 1024 + 4096
+    ),
+    # The NVMe KV driver, real above the ioctl, on /dev/null answered by a KV controller stand-in.
+    "nvme_kv": lambda _: open_kv_namespace(
+        "card", "/dev/null", MAX_VALUE_BYTES, KvNamespaceStandIn(64 * MAX_VALUE_BYTES, MAX_VALUE_BYTES)
+    ),
 }
 
 

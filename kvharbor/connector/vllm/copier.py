@@ -27,6 +27,10 @@ def no_wait() -> None:
     pass
 
 
+class StagingUnavailable(Exception):
+    """The device has no room for the staging loads pass through."""
+
+
 class StepSave(Protocol):
     """One step's saves of ``chunks`` chunks: gathered during the step, copied out behind it."""
 
@@ -61,9 +65,16 @@ class PageCopy(Protocol):
     """True: `StepSave.close` leaves the step's pages copied into staging of the save's own,
     so the saver thread may fill shared memory later. False: the pages are read from the
     blocks when the save is staged, so the step must wait for that before its blocks are reused."""
+    staging_waited_s: float
+    """How long the latest `open_save` waited for staging room: 0.0 when it had room at once
+    (a step that waited is no prefill sample)."""
 
     @property
     def chunk_bytes(self) -> int: ...
+
+    def reserve_loads(self) -> None:
+        """Allocate what loads pass through, before the first one (at start): the first
+        restore pays no allocation. Raises `StagingUnavailable` when it does not fit."""
 
     def stage_load(self, mapping: PinnedMapping, view: memoryview, first: int, block_ids: Sequence[int]) -> None:
         """Add a stored chunk to the load request in progress: its blocks ``first ..

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvharbor.connector.vllm.chunks import chunk_load, plan_saves
-from kvharbor.connector.vllm.copier import MIB, PageCopy, StepSave
+from kvharbor.connector.vllm.copier import MIB, PageCopy, StagingUnavailable, StepSave
 from kvharbor.connector.vllm.pinning import PinError, PinnedMapping, Register
 from kvharbor.gateway.shm import ShmUnavailable
 from kvharbor.telemetry.log import OnceLog, get_logger
@@ -99,7 +99,8 @@ class DataPath:
         self._once = OnceLog(_log)
 
     def map(self) -> bool:
-        """Map both links' shared memory (page-locked on a GPU); on failure the cache goes off on this rank."""
+        """Map both links' shared memory (page-locked on a GPU) and reserve the load staging;
+        on failure the cache goes off on this rank."""
         started = time.perf_counter()
         try:
             for link in (self._load_link, self._save_link):
@@ -120,6 +121,17 @@ class DataPath:
                 reason,
             )
             self._load_link.switch.turn_off(reason)
+            return False
+        try:
+            self.copy.reserve_loads()
+        except StagingUnavailable as err:
+            self._unmap()
+            _log.error(
+                "kvharbor: %s. The external KV cache is off on this rank; the engine keeps serving. "
+                "Lower engine.load_batch_mb or vLLM's --gpu-memory-utilization",
+                err,
+            )
+            self._load_link.switch.turn_off(str(err))
             return False
         if self._register is not None:
             _log.info(
@@ -219,9 +231,8 @@ class DataPath:
         if len(self.mappings) < 2 or self._save_link.is_off:
             return
         plan = plan_saves(meta.saves, self.rank, self.copy.blocks_per_chunk)
-        started = time.perf_counter()
         save = self.copy.open_save(plan.blocks, self._save_staging_wait_s)
-        self.stalled = time.perf_counter() - started > self._stall_s
+        self.stalled = self.copy.staging_waited_s > self._stall_s
         kept = save.chunks if save is not None else 0
         if kept < len(plan.keys):
             self._count(save_dropped=len(plan.keys) - kept)

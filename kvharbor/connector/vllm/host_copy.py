@@ -19,6 +19,8 @@ from kvharbor.connector.vllm.pinning import PinnedMapping
 
 class HostCopy:
     snapshots_saves = False
+    staging_waited_s = 0.0
+    """Saves read the blocks in the step: no staging to wait for."""
 
     def __init__(
         self, tensors: Sequence[torch.Tensor], num_blocks: int, blocks_per_chunk: int, load_batch_bytes: int
@@ -37,6 +39,9 @@ class HostCopy:
         pages = self.pages
         flat = mapping.tensor[offset : offset + self.chunk_bytes].view(pages.dtype)
         return list(flat.view(len(pages.layers), self.blocks_per_chunk, *pages.page_shape).unbind(0))
+
+    def reserve_loads(self) -> None:
+        pass  # Loads copy straight into the cache tensors.
 
     def stage_load(self, mapping: PinnedMapping, view: memoryview, first: int, block_ids: Sequence[int]) -> None:
         self._stage.add(mapping, view, first, block_ids)

@@ -1,0 +1,183 @@
+"""The on-disk format of the block store: a superblock, regions, objects.
+
+::
+
+    block 0          superblock: magic, version, geometry, store id, checksum
+    region i         at SUPERBLOCK_BYTES + i * region_bytes
+      block 0        region header: magic, index, sequence, store id, checksum
+      then objects   each at a BLOCK_BYTES-aligned offset, padded to a whole block:
+                     object header (OBJECT_HEADER_BYTES) then the value
+
+A region is a log: objects are appended until the next does not fit, then the
+store opens another region with a higher sequence. An object belongs to its
+region's current generation only if its header names that sequence; bytes of an
+older generation left after the tail are never taken for objects.
+
+Every checksum is xxh3-64 seeded with a value derived from the store id, so a
+region or object left by an earlier format of the same file (or another store's
+image copied in) fails its checksum instead of being read as ours.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+BLOCK_BYTES = 4096
+"""I/O and alignment unit: every read and write is whole blocks from a block-aligned buffer (O_DIRECT)."""
+SUPERBLOCK_BYTES = BLOCK_BYTES
+REGION_HEADER_BYTES = BLOCK_BYTES
+FORMAT_MAGIC = b"KVHBLOCK"
+FORMAT_VERSION = 1
+REGION_MAGIC = b"KVHREGN1"
+OBJECT_MAGIC = b"KVHO"
+MIN_REGIONS = 2
+"""One region to append to and one to open next: FIFO eviction needs somewhere to go."""
+
+# magic, version, block bytes, region bytes, region count, device bytes, store id; then the checksum.
+_SUPERBLOCK = struct.Struct("<8sIIQQQ16s")
+# magic, region index, sequence, store id; then the checksum.
+_REGION = struct.Struct("<8sQQ16s")
+# magic, kind, 3 pad, region sequence, value bytes, key, value checksum, 8 reserved; then the checksum.
+_OBJECT = struct.Struct("<4sB3xQQ16sQ8x")
+_CHECKSUM = struct.Struct("<Q")
+OBJECT_HEADER_BYTES = _OBJECT.size + _CHECKSUM.size
+KEY_BYTES = 16
+
+
+class LayoutError(ValueError):
+    """The bytes at the start of the device are not a block store this code can open."""
+
+
+class ObjectKind(enum.IntEnum):
+    VALUE = 1
+    TOMBSTONE = 2
+    """A delete: hides older objects of the key when the index is rebuilt."""
+
+
+def round_up(nbytes: int) -> int:
+    """``nbytes`` rounded up to whole blocks."""
+    return -(-nbytes // BLOCK_BYTES) * BLOCK_BYTES
+
+
+def object_span(value_bytes: int) -> int:
+    """Bytes an object of ``value_bytes`` takes in its region (header and padding included)."""
+    return round_up(OBJECT_HEADER_BYTES + value_bytes)
+
+
+def checksum(data: bytes | memoryview, seed: int) -> int:
+    return xxhash.xxh3_64_intdigest(data, seed)
+
+
+@dataclass(frozen=True, slots=True)
+class Superblock:
+    region_bytes: int
+    region_count: int
+    device_bytes: int
+    """The size the store was formatted for; the device must still have it."""
+    store_id: bytes
+
+    @property
+    def seed(self) -> int:
+        """Seed of every checksum of this store (see the module docstring)."""
+        return xxhash.xxh3_64_intdigest(self.store_id)
+
+    def region_offset(self, region: int) -> int:
+        assert 0 <= region < self.region_count, region
+        return SUPERBLOCK_BYTES + region * self.region_bytes
+
+    def encode(self) -> bytes:
+        body = _SUPERBLOCK.pack(
+            FORMAT_MAGIC,
+            FORMAT_VERSION,
+            BLOCK_BYTES,
+            self.region_bytes,
+            self.region_count,
+            self.device_bytes,
+            self.store_id,
+        )
+        return _pad(body + _CHECKSUM.pack(checksum(body, 0)), SUPERBLOCK_BYTES)
+
+    @classmethod
+    def decode(cls, block: bytes | memoryview, where: str) -> Superblock:
+        """Parse block 0 of ``where``; raises `LayoutError` saying what it holds instead."""
+        raw = bytes(block[: _SUPERBLOCK.size + _CHECKSUM.size])
+        magic, version, block_bytes, region_bytes, region_count, device_bytes, store_id = _SUPERBLOCK.unpack(
+            raw[: _SUPERBLOCK.size]
+        )
+        if magic != FORMAT_MAGIC:
+            raise LayoutError(
+                f"{where} belongs to another format (first bytes {bytes(block[:8])!r}, not a kvharbor block "
+                "store); give block mode an empty file or device, or wipe this one"
+            )
+        (stored,) = _CHECKSUM.unpack(raw[_SUPERBLOCK.size :])
+        if stored != checksum(raw[: _SUPERBLOCK.size], 0):
+            raise LayoutError(f"{where}: the block store's superblock is damaged (checksum mismatch)")
+        if version != FORMAT_VERSION:
+            raise LayoutError(
+                f"{where}: block store format version {version}, this kvharbor reads version {FORMAT_VERSION}"
+            )
+        if block_bytes != BLOCK_BYTES or region_bytes % BLOCK_BYTES or region_count < MIN_REGIONS:
+            raise LayoutError(f"{where}: the block store's superblock has an impossible geometry")
+        return cls(region_bytes, region_count, device_bytes, store_id)
+
+
+@dataclass(frozen=True, slots=True)
+class RegionHeader:
+    region: int
+    seq: int
+    """Generation of the region's contents: higher is newer, 0 never appears on disk."""
+
+    def encode(self, store: Superblock) -> bytes:
+        body = _REGION.pack(REGION_MAGIC, self.region, self.seq, store.store_id)
+        return _pad(body + _CHECKSUM.pack(checksum(body, store.seed)), REGION_HEADER_BYTES)
+
+    @classmethod
+    def decode(cls, block: bytes | memoryview, store: Superblock, region: int) -> RegionHeader | None:
+        """The header of ``region``, or None where the block holds none of this store's."""
+        raw = bytes(block[: _REGION.size + _CHECKSUM.size])
+        magic, index, seq, store_id = _REGION.unpack(raw[: _REGION.size])
+        (stored,) = _CHECKSUM.unpack(raw[_REGION.size :])
+        valid = (
+            magic == REGION_MAGIC
+            and store_id == store.store_id
+            and index == region
+            and seq > 0
+            and stored == checksum(raw[: _REGION.size], store.seed)
+        )
+        return cls(region, seq) if valid else None
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectHeader:
+    kind: ObjectKind
+    region_seq: int
+    value_bytes: int
+    key: bytes
+    value_checksum: int
+
+    def encode_into(self, into: memoryview, seed: int) -> None:
+        body = _OBJECT.pack(OBJECT_MAGIC, self.kind, self.region_seq, self.value_bytes, self.key, self.value_checksum)
+        into[: _OBJECT.size] = body
+        into[_OBJECT.size : OBJECT_HEADER_BYTES] = _CHECKSUM.pack(checksum(body, seed))
+
+    @classmethod
+    def decode(cls, raw: bytes | memoryview, seed: int, region_seq: int) -> ObjectHeader | None:
+        """The object header in ``raw``, or None where there is none of this region generation
+        (the end of the region's log, a torn header, bytes of an older generation)."""
+        body = bytes(raw[: _OBJECT.size])
+        (stored,) = _CHECKSUM.unpack(raw[_OBJECT.size : OBJECT_HEADER_BYTES])
+        if body[:4] != OBJECT_MAGIC or stored != checksum(body, seed):
+            return None
+        _, kind, seq, value_bytes, key, value_checksum = _OBJECT.unpack(body)
+        if seq != region_seq or kind not in ObjectKind._value2member_map_:
+            return None
+        return cls(ObjectKind(kind), seq, value_bytes, key, value_checksum)
+
+
+def _pad(data: bytes, size: int) -> bytes:
+    assert len(data) <= size, (len(data), size)
+    return data + bytes(size - len(data))

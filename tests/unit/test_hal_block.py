@@ -1,0 +1,327 @@
+"""The block store (`kvharbor.hal.block`) on a file and on a loop block device: format,
+bad input, rebuild, checksums, FIFO eviction and card full. The device contract
+is in test_hal_contract.py; crashes in test_block_crash.py."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import struct
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvharbor.cache.format import Codec, decode, encode
+from kvharbor.cache.keys import ChunkKey, LayoutFingerprint
+from kvharbor.cache.recovery import recover_entries
+from kvharbor.hal.base import DeviceEventKind, DeviceFull, DeviceUnavailable, HealthState
+from kvharbor.hal.block.layout import (
+    BLOCK_BYTES,
+    FORMAT_MAGIC,
+    OBJECT_HEADER_BYTES,
+    REGION_HEADER_BYTES,
+    SUPERBLOCK_BYTES,
+    LayoutError,
+    checksum,
+    object_span,
+)
+from kvharbor.hal.block.pipeline import CHUNK_BYTES
+from kvharbor.hal.block.store import BlockStoreDevice
+
+REGION_BYTES = 256 * 1024
+VALUE_MAX_BYTES = 64 * 1024
+REGIONS = 8
+STORE_BYTES = SUPERBLOCK_BYTES + REGIONS * REGION_BYTES
+
+
+def key(n: int) -> bytes:
+    return n.to_bytes(16, "big")
+
+
+def value(n: int, nbytes: int = 20_000) -> bytes:
+    return n.to_bytes(4, "big") * (nbytes // 4)
+
+
+def open_store(path: Path | str, **options: object) -> BlockStoreDevice:
+    return BlockStoreDevice(
+        "card", str(path), VALUE_MAX_BYTES, region_bytes=REGION_BYTES, create_bytes=STORE_BYTES, **options
+    )
+
+
+def read(store: BlockStoreDevice, k: bytes) -> bytes | None:
+    buffer = memoryview(bytearray(VALUE_MAX_BYTES))
+    n = store.get(k, buffer)
+    return None if n is None else bytes(buffer[:n])
+
+
+@pytest.fixture
+def store_path(tmp_path: Path) -> Path:
+    return tmp_path / "card.blocks"
+
+
+@pytest.fixture
+def loop_device(tmp_path: Path) -> Iterator[str]:
+    """A real block device: a loop device over a file, detached afterwards."""
+    backing = tmp_path / "loop.img"
+    with open(backing, "wb") as f:
+        f.truncate(STORE_BYTES)
+    device = subprocess.run(
+        ["losetup", "-f", "--show", str(backing)], check=True, capture_output=True, text=True
+    ).stdout.strip()
+    try:
+        yield device
+    finally:
+        subprocess.run(["losetup", "-d", device], check=True)
+
+
+def test_a_reopened_store_rebuilds_its_index_from_the_regions(store_path: Path) -> None:
+    store = open_store(store_path)
+    for n in range(30):  # Three regions' worth: the index spans several.
+        store.put(key(n), [value(n)])
+    store.put(key(4), [b"replaced"])
+    store.delete(key(7))
+    store.put(key(8), [])
+    before = dict(store.scan())
+    store.close()
+    store = open_store(store_path)
+    try:
+        assert dict(store.scan()) == before
+        assert read(store, key(4)) == b"replaced"
+        assert read(store, key(7)) is None, "a delete survives a restart"
+        assert read(store, key(8)) == b""
+        assert all(read(store, key(n)) == value(n) for n in range(9, 30))
+        store.put(key(100), [b"after"])  # Appends continue after the rebuilt tail.
+        assert read(store, key(100)) == b"after" and read(store, key(29)) == value(29)
+    finally:
+        store.close()
+
+
+def test_a_file_of_another_format_is_refused_naming_the_path(store_path: Path) -> None:
+    store_path.write_bytes(b"SQLite format 3\x00" + bytes(STORE_BYTES))
+    with pytest.raises(LayoutError, match=rf"{store_path} belongs to another format"):
+        open_store(store_path)
+    assert store_path.read_bytes()[:6] == b"SQLite", "a foreign file is never overwritten"
+
+
+def test_a_file_too_small_is_refused_naming_the_path_and_the_size_needed(store_path: Path) -> None:
+    store_path.write_bytes(bytes(REGION_BYTES))
+    with pytest.raises(LayoutError, match=rf"{store_path}: {REGION_BYTES} bytes is too small .* at least"):
+        open_store(store_path)
+
+
+def test_another_format_version_is_refused_naming_it(store_path: Path) -> None:
+    open_store(store_path).close()
+    with open(store_path, "r+b") as f:
+        body = bytearray(f.read(56))  # magic, version, geometry, store id: then the checksum.
+        struct.pack_into("<I", body, 8, 99)  # The version, with a valid checksum.
+        f.seek(0)
+        f.write(bytes(body) + struct.pack("<Q", checksum(bytes(body), 0)))
+    with pytest.raises(LayoutError, match=rf"{store_path}: block store format version 99"):
+        open_store(store_path)
+
+
+def test_a_region_that_cannot_hold_a_value_is_refused_naming_the_setting(store_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"region_bytes 65536 must .* hold"):
+        BlockStoreDevice("card", str(store_path), VALUE_MAX_BYTES, region_bytes=64 * 1024, create_bytes=STORE_BYTES)
+
+
+def test_an_absent_file_without_a_size_is_unavailable_naming_the_path(store_path: Path) -> None:
+    with pytest.raises(DeviceUnavailable, match=rf"{store_path} does not exist"):
+        BlockStoreDevice("card", str(store_path), VALUE_MAX_BYTES, region_bytes=REGION_BYTES)
+
+
+def test_a_store_open_in_another_process_is_refused(store_path: Path) -> None:
+    store = open_store(store_path)
+    try:
+        # flock is per open file description: a second open is refused like another process's.
+        with pytest.raises(DeviceUnavailable, match="in use by another process"):
+            open_store(store_path)
+    finally:
+        store.close()
+    open_store(store_path).close()  # Free again once closed.
+
+
+def test_a_damaged_object_is_a_counted_miss_never_wrong_bytes(store_path: Path) -> None:
+    store = open_store(store_path)
+    try:
+        store.put(key(1), [value(1)])
+        store.put(key(2), [value(2)])
+        # Flip one byte of key 1's value on the device, behind the store's back.
+        with open(store_path, "r+b") as f:
+            at = SUPERBLOCK_BYTES + BLOCK_BYTES + OBJECT_HEADER_BYTES + 1000
+            f.seek(at)
+            byte = f.read(1)
+            f.seek(at)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        assert read(store, key(1)) is None
+        assert store.status_counts()["checksum_mismatch"] == 1
+        assert store.exists([key(1), key(2)]) == [False, True], "a damaged object leaves the index"
+        assert read(store, key(2)) == value(2)
+    finally:
+        store.close()
+
+
+def test_peek_reads_the_prefix_only_and_get_still_verifies_the_whole(store_path: Path) -> None:
+    store = open_store(store_path)
+    try:
+        store.put(key(1), [value(1, 40_000)])
+        with open(store_path, "r+b") as f:  # Damage the value's last block only.
+            f.seek(SUPERBLOCK_BYTES + BLOCK_BYTES + OBJECT_HEADER_BYTES + 39_000)
+            f.write(b"\xff" * 8)
+        prefix = bytearray(100)
+        assert store.peek(key(1), memoryview(prefix)) == 100 and bytes(prefix) == value(1, 40_000)[:100]
+        assert read(store, key(1)) is None
+        assert store.peek(key(1), memoryview(prefix)) is None, "a failed get took it out of the index"
+    finally:
+        store.close()
+
+
+def test_key_eviction_on_keeps_accepting_writes_and_drops_the_oldest_first(store_path: Path) -> None:
+    store = open_store(store_path)
+    try:
+        written = 4 * REGIONS * (REGION_BYTES // 24_576)  # Four times the capacity.
+        for n in range(written):
+            store.put(key(n), [value(n)])
+        assert read(store, key(written - 1)) == value(written - 1)
+        assert read(store, key(0)) is None, "the oldest region went first"
+        kept = [n for n in range(written) if store.exists([key(n)])[0]]
+        assert kept == list(range(kept[0], written)), "FIFO: what is kept is the newest, contiguous"
+        assert all(read(store, key(n)) == value(n) for n in kept)
+        events = store.drain_events()
+        assert events and {e.kind for e in events} == {DeviceEventKind.EVICTED}
+        assert store.status_counts()["evicted_keys"] == written - len(kept)
+        assert store.health().state is HealthState.OK
+    finally:
+        store.close()
+
+
+def test_key_eviction_off_refuses_with_card_full_and_event_3002_once(store_path: Path) -> None:
+    store = open_store(store_path, key_eviction=False)
+    try:
+        stored = 0
+        with pytest.raises(DeviceFull, match="full and key eviction is off"):
+            while True:
+                store.put(key(stored), [value(stored)])
+                stored += 1
+        with pytest.raises(DeviceFull):
+            store.put(key(10_000), [value(0)])
+        assert all(read(store, key(n)) == value(n) for n in range(stored)), "a refusal changes nothing"
+        assert [e.code for e in store.card_events()] == [3002], "one event per episode"
+        assert [e.kind for e in store.drain_events()] == [DeviceEventKind.FULL]
+        assert store.health().state is HealthState.DEGRADED
+        assert store.card_status().capacity_usage.value == "CRITICAL"
+        # Deleting everything in the oldest regions frees them, eviction still off.
+        for n in range(stored):
+            store.delete(key(n))
+        store.put(key(20_000), [value(7)])
+        assert read(store, key(20_000)) == value(7)
+        store.set_key_eviction(True)
+        assert [e.code for e in store.card_events()][-1] == 3010
+    finally:
+        store.close()
+
+
+@pytest.fixture
+def ramfs(tmp_path: Path) -> Iterator[Path]:
+    """A filesystem that refuses O_DIRECT (ramfs; tmpfs takes it since Linux 6.6), unmounted afterwards."""
+    mount_point = tmp_path / "ramfs"
+    mount_point.mkdir()
+    subprocess.run(["mount", "-t", "ramfs", "ramfs", str(mount_point)], check=True)
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", str(mount_point)], check=True)
+
+
+def test_a_filesystem_refusing_o_direct_falls_back_and_says_so_once(
+    ramfs: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="kvharbor.hal.block"):
+        store = open_store(ramfs / "card.blocks")
+    try:
+        assert sum("refuses O_DIRECT" in r.getMessage() for r in caplog.records) == 1
+        assert not store.direct_io
+        for n in range(20):
+            store.put(key(n), [value(n)])
+        assert all(read(store, key(n)) == value(n) for n in range(20))
+    finally:
+        store.close()
+
+
+def test_on_a_loop_block_device(loop_device: str) -> None:
+    store = BlockStoreDevice("card", loop_device, VALUE_MAX_BYTES, region_bytes=REGION_BYTES)
+    try:
+        assert store.usage().capacity_bytes == REGIONS * REGION_BYTES
+        assert store.direct_io, "a block device takes O_DIRECT"
+        for n in range(40):
+            store.put(key(n), [value(n)])
+        store.delete(key(39))
+    finally:
+        store.close()
+    store = BlockStoreDevice("card", loop_device, VALUE_MAX_BYTES, region_bytes=REGION_BYTES)
+    try:
+        kept = [n for n in range(39) if read(store, key(n)) == value(n)]
+        assert kept == list(range(kept[0], 39)) and read(store, key(39)) is None
+        assert store.card_status().paths == (loop_device,)
+    finally:
+        store.close()
+    with open(loop_device, "rb") as raw:
+        assert raw.read(8) == FORMAT_MAGIC
+
+
+def test_a_used_block_device_of_another_format_is_refused(loop_device: str) -> None:
+    with open(loop_device, "r+b") as raw:
+        raw.write(b"\xeb\x3c\x90mkfs.fat")  # A FAT boot sector's first bytes.
+    with pytest.raises(LayoutError, match=rf"{loop_device} belongs to another format"):
+        BlockStoreDevice("card", loop_device, VALUE_MAX_BYTES, region_bytes=REGION_BYTES)
+
+
+def test_values_of_several_chunks_in_odd_parts_come_back_whole(tmp_path: Path) -> None:
+    # Past CHUNK_BYTES the I/O overlaps the copy and the checksum: chunk edges inside parts and blocks.
+    big = 3 * CHUNK_BYTES + 12_345
+    region_bytes = REGION_HEADER_BYTES + object_span(big)  # One value per region.
+    path = str(tmp_path / "big.blocks")
+    store = BlockStoreDevice("card", path, big, region_bytes=region_bytes, create_bytes=4096 + 2 * region_bytes)
+    try:
+        data = os.urandom(big)
+        cuts = [0, 7, CHUNK_BYTES - 3, CHUNK_BYTES + 5000, 2 * CHUNK_BYTES + 1, big]
+        store.put(key(1), [data[a:b] for a, b in itertools.pairwise(cuts)])
+        into = memoryview(bytearray(big + 10))
+        assert store.get(key(1), into) == big and bytes(into[:big]) == data
+        slices: list[bytes] = []
+        assert store.get_streamed(key(1), into, lambda piece: slices.append(bytes(piece))) == big
+        assert b"".join(slices) == data
+    finally:
+        store.close()
+
+
+def test_a_cache_index_can_be_rebuilt_from_a_reopened_store(store_path: Path) -> None:
+    """What a card tier in block mode needs after a gateway restart: the cache's own
+    recovery (scan, then peek at each object's header) finds every value, fragments regrouped."""
+    fingerprint = LayoutFingerprint(model_id="block-test", chunk_size=16).digest()
+    payloads = {ChunkKey(os.urandom(16)): os.urandom(n) for n in (100, 30_000, 150_000)}
+    store = open_store(store_path)
+    for chunk, payload in payloads.items():
+        for part in encode(chunk, fingerprint, payload, Codec.NONE, store.max_value_bytes):
+            store.put(part.device_key, [part.header, part.payload])
+    store.close()
+    store = open_store(store_path)
+    try:
+        recovered = recover_entries(store)
+        parts = {entry.key: entry.parts for entry in recovered.entries}
+        assert recovered.dropped == 0 and set(parts) == {bytes(chunk) for chunk in payloads}
+        assert max(parts.values()) > 1, "the largest value was stored in fragments"
+
+        def read_part(device_key: ChunkKey) -> memoryview | None:
+            buffer = memoryview(bytearray(VALUE_MAX_BYTES))
+            got = store.get(device_key, buffer)
+            return None if got is None else buffer[:got]
+
+        for chunk, payload in payloads.items():
+            value = decode(chunk, fingerprint, read_part)
+            assert value is not None and bytes(value) == payload
+    finally:
+        store.close()
