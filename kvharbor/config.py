@@ -46,6 +46,13 @@ class EngineSection(_Section):
     chunk_size: int = Field(256, gt=0, description="tokens per stored chunk")
     key_namespace: str = Field("default", min_length=1, max_length=128)
     require_cache_salt: bool = False
+    verify_wait_ms: int = Field(
+        2000, ge=0, description="how long a request waits for its stored chunks to be read back"
+    )
+    """Stored chunks outside a shared-memory RAM tier (on files) are read back in full before
+    the engine is told it has them; a request waits at most this long (other requests are
+    scheduled meanwhile). Past it, the chunks not read back by then are recomputed, not
+    promised. 0: only chunks in RAM are promised."""
     # The worker's data path (`connector.vllm.datapath`); none of these changes what is stored.
     load_batch_mb: int = Field(256, gt=0, le=4096, description="MiB asked of the gateway per load request")
     """Also the size of each of the two device staging slots a GPU's loads pass through (one is

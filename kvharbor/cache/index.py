@@ -65,6 +65,10 @@ class TierIndex(ABC):
     @abstractmethod
     def get(self, key: bytes) -> Entry | None: ...
 
+    def nbytes(self, keys: Sequence[bytes]) -> list[int | None]:
+        """Per key, its `Entry.nbytes`, or None when absent."""
+        return [None if (entry := self.get(key)) is None else entry.nbytes for key in keys]
+
     @abstractmethod
     def used_bytes(self) -> int: ...
 
@@ -179,6 +183,12 @@ class MemoryIndex(TierIndex):
         with self._lock:
             record = self._table.find(key)
             return None if record == NO_RECORD else self._entry(record)
+
+    def nbytes(self, keys: Sequence[bytes]) -> list[int | None]:
+        # One lock and no Entry per key: a lookup of a long prompt asks this for every chunk.
+        with self._lock:
+            find, get = self._table.find, self._table.get
+            return [None if (record := find(key)) == NO_RECORD else get(record, _NBYTES) for key in keys]
 
     def used_bytes(self) -> int:
         return self._used_bytes

@@ -178,6 +178,27 @@ class Tier:
 
     # -- reads -------------------------------------------------------------
 
+    @property
+    def resident(self) -> bool:
+        """Are this tier's values verified where readers see them, beyond anyone's reach but
+        the gateway's, and stored plain (the index knows their sizes)? A shared-memory
+        tier's are (see `_verify_shared`): its hits can be promised as they are. A tier
+        that outlives the gateway (files) may have been damaged at rest, and a RAM tier in
+        the gateway's memory was checksummed before the copy: their hits are read back
+        before a promise."""
+        return isinstance(self.device, SharedSpans) and self.codec is Codec.NONE
+
+    def value_sizes(self, keys: Sequence[bytes]) -> list[int | None]:
+        """Per key, the bytes of its value if held as one plain object, or None when it is
+        absent; from the index alone. (A fragmented value reads as a size larger than its
+        own: one header per fragment.)"""
+        try:
+            sizes = self.index.nbytes(keys)
+        except DeviceError as err:
+            self._index_fault(err)
+            return [None] * len(keys)
+        return [None if n is None else n - HEADER_BYTES for n in sizes]
+
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         """Which keys the index says are here; an open breaker says none."""
         if self.breaker.state is BreakerState.OPEN:

@@ -476,8 +476,14 @@ class Gateway:
         match message:
             case p.Hello():
                 return self._hello(message)
-            case p.Lookup(chunk_tokens=chunk_tokens, keys=keys):
-                return p.LookupOk(store.lookup(keys, chunk_tokens))
+            case p.Lookup(chunk_tokens=chunk_tokens, keys=keys, value_bytes=value_bytes):
+                probe = store.probe(keys, chunk_tokens, value_bytes)
+                return p.LookupOk(probe.hits, probe.resident)
+            case p.Verify(value_bytes=value_bytes, items=items):
+                return p.VerifyOk(store.verify(items, value_bytes, progress))
+            case p.Drop(keys=keys):
+                store.delete(keys)
+                return p.Dropped(len(keys))
             case p.PutPrepare():
                 batch_id, batch, offsets = transfers.prepare_put(message, progress)
                 batches[batch_id] = batch

@@ -101,6 +101,7 @@ def _tiers(*tiers: dict[str, Any]) -> dict[str, Any]:
         pytest.param({"engine": {"chunk_sise": 256}}, ["engine.chunk_sise", "not permitted"], id="unknown key"),
         pytest.param({"engine": {"chunk_size": "big"}}, ["engine.chunk_size", "'big'"], id="wrong type"),
         pytest.param({"gateway": {"mode": "sidecar"}}, ["gateway.mode", "'sidecar'"], id="bad choice"),
+        pytest.param({"engine": {"verify_wait_ms": -1}}, ["engine.verify_wait_ms", "greater than"], id="negative wait"),
         pytest.param({"engine": {"load_batch_mb": 0}}, ["engine.load_batch_mb", "greater than 0"], id="no load batch"),
         pytest.param(
             {"engine": {"save_staging_wait_ms": -1}},

@@ -44,7 +44,7 @@ def rig(tiny_model: Path, real_gateway: RealGateway) -> SchedulerRig:
 @pytest.mark.parametrize("n", [100, 255, 256, 257, 383, 384, 385, 1001, 1024, 1025])
 def test_a_full_store_offers_exactly_the_bound(rig: SchedulerRig, n: int) -> None:
     tokens = prompt(n, seed=n)
-    rig.gateway.hold(rig.keys(tokens))
+    rig.hold(rig.keys(tokens))
     matched, asynchronous = rig.side.get_num_new_matched_tokens(rig.request("r", tokens), 0)
     assert (matched, asynchronous) == (bound(n), False)
     # vLLM may ask again (a request that could not be admitted): same answer, nothing else changes.
@@ -75,7 +75,7 @@ def test_a_miss_saves_each_chunk_once_across_chunked_prefill(tiny_model: Path, r
 
 def test_a_restart_hit_loads_up_to_the_bound_and_saves_nothing_stored(rig: SchedulerRig) -> None:
     tokens = prompt(1024)
-    rig.gateway.hold(rig.keys(tokens))
+    rig.hold(rig.keys(tokens))
     rig.add("r", tokens)
     steps = rig.run()
 
@@ -94,7 +94,7 @@ def test_a_restart_hit_loads_up_to_the_bound_and_saves_nothing_stored(rig: Sched
 def test_a_partial_store_loads_what_it_has_and_saves_the_rest(rig: SchedulerRig) -> None:
     tokens = prompt(1001)
     keys = rig.keys(tokens)
-    rig.gateway.hold(keys[:2])
+    rig.hold(keys[:2])
     rig.add("r", tokens)
     steps = rig.run()
 
@@ -108,7 +108,7 @@ def test_a_load_starts_where_vllms_own_prefix_cache_ends(rig: SchedulerRig) -> N
     full = prompt(1024, seed=1)
     rig.add("partial", full[:400] + prompt(100, seed=2))
     rig.run()  # Its blocks stay in vLLM's prefix cache: 3 full blocks of `full`.
-    rig.gateway.hold(rig.keys(full))
+    rig.hold(rig.keys(full))
     local = rig.scheduler.kv_cache_manager.get_computed_blocks(rig.request("probe", full))[1]
     assert local == 3 * BLOCK
 
@@ -133,7 +133,7 @@ def test_a_salt_changes_every_key_and_a_required_salt_skips_the_rest(
     assert set(rig.keys(tokens, "tenantA")).isdisjoint(rig.keys(tokens, "tenantB"))
     assert set(rig.keys(tokens, "tenantA")).isdisjoint(rig.keys(tokens))
 
-    rig.gateway.hold(rig.keys(tokens))
+    rig.hold(rig.keys(tokens))
     rig.add("unsalted", tokens)
     rig.add("salted", tokens, salt="tenantA")
     steps = rig.run()
@@ -175,7 +175,7 @@ def test_a_preempted_request_resumes_from_its_saved_chunks(tiny_model: Path, rea
 
 def test_a_dead_gateway_is_a_miss_not_an_error(rig: SchedulerRig) -> None:
     tokens = prompt(1001)
-    rig.gateway.hold(rig.keys(tokens))
+    rig.hold(rig.keys(tokens))
     rig.gateway.stop()
     rig.add("r", tokens)
     steps = rig.run()
@@ -204,10 +204,10 @@ def test_a_block_one_rank_could_not_restore_is_recomputed_on_every_rank(rig: Sch
     # unions the workers' load errors, and the scheduler recomputes from the first one (for
     # every rank: they all run the step it schedules).
     tokens = prompt(1001)
-    rig.gateway.hold(rig.keys(tokens))
+    rig.hold(rig.keys(tokens))
     rig.add("r", tokens)
     # Rank 0 restored all 3 chunks, rank 1 only chunk 0.
-    first = rig.step(worker_reports(lambda meta: [set(), set(meta.loads[0].block_ids[2:])]))
+    first = rig.step(workers=worker_reports(lambda meta: [set(), set(meta.loads[0].block_ids[2:])]))
     [load] = first.meta.loads
     assert first.new_request("r").num_computed_tokens == 768 and len(load.block_ids) == 6
     assert rig.requests["r"].num_output_tokens == 0  # The step's sampled token is discarded ...
@@ -220,9 +220,9 @@ def test_a_block_one_rank_could_not_restore_is_recomputed_on_every_rank(rig: Sch
 
 def test_a_worker_reporting_the_cache_off_stops_restores_and_marks_one_step(rig: SchedulerRig) -> None:
     stored, later = prompt(1001, seed=1), prompt(1001, seed=2)
-    rig.gateway.hold(rig.keys(stored) + rig.keys(later))
+    rig.hold(rig.keys(stored) + rig.keys(later))
     rig.add("a", stored)
-    assert rig.step(worker_reports(cache_off=(0, 1))).meta.loads  # Planned before any worker was off.
+    assert rig.step(workers=worker_reports(cache_off=(0, 1))).meta.loads  # Planned before any worker was off.
     rig.add("b", later)
     marked = rig.step()
     assert marked.meta.cache_off == "a worker reported it off"
@@ -242,7 +242,7 @@ def test_the_schedulers_own_failure_marks_one_step_too(rig: SchedulerRig) -> Non
 
 def test_a_salt_that_is_not_a_string_is_a_counted_skip(rig: SchedulerRig) -> None:
     tokens = prompt(600)
-    rig.gateway.hold(rig.keys(tokens))
+    rig.hold(rig.keys(tokens))
     request = rig.request("r", tokens)
     request.cache_salt = 42  # type: ignore[assignment]  # What a front end might pass through.
     assert rig.side.get_num_new_matched_tokens(request, 0) == (0, False)

@@ -30,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from kvharbor.config import ConfigError
 from kvharbor.connector.link import CacheLink
 from kvharbor.connector.ranks import RankAgreement, RankGroup, SoleRank, TorchRankGroup
+from kvharbor.connector.verifier import Verifier
 from kvharbor.connector.vllm.costs import load_planner
 from kvharbor.connector.vllm.layout import ConnectorRefusal, build_layout
 from kvharbor.connector.vllm.metadata import KVHarborMetadata
@@ -65,8 +66,13 @@ class KVHarborConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._insist_on_recompute(transfer)
-            link = CacheLink(self.config, f"vllm-scheduler pid {os.getpid()}")
-            self._scheduler = SchedulerSide(self.layout, self.config, link, load_planner(vllm_config, self.layout))
+            name = f"vllm-scheduler pid {os.getpid()}"
+            link = CacheLink(self.config, name)
+            # Its own connection: a long read-back must not hold up the lookups of other requests.
+            verifier = Verifier(CacheLink(self.config, name + " verify"), self.layout.digests, self.layout.chunk_bytes)
+            self._scheduler = SchedulerSide(
+                self.layout, self.config, link, load_planner(vllm_config, self.layout), verifier
+            )
             link.start()  # Connect now, as the workers do: not in the first request's path.
             _log.info(
                 "kvharbor: connector on (scheduler): chunk %d tokens = %d blocks, %d rank(s), namespace %s",
@@ -128,6 +134,7 @@ class KVHarborConnector(KVConnectorBase_V1):
         """The workers' stats of a step: what the load-or-recompute choice learns from."""
         if self._scheduler is not None:
             self._scheduler.observe(getattr(connector_output, "kv_connector_stats", None))
+            self._scheduler.observe_load_errors(getattr(connector_output, "invalid_block_ids", None) or set())
 
     # -- worker role -------------------------------------------------------------
 
@@ -199,7 +206,7 @@ class KVHarborConnector(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.close()
         if self._scheduler is not None:
-            self._scheduler.link.close()
+            self._scheduler.close()
 
 
 def _worker_ranks() -> tuple[int, int]:

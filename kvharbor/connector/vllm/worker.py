@@ -74,7 +74,7 @@ from kvharbor.connector.vllm.copier import PageCopy
 from kvharbor.connector.vllm.datapath import DataPath, SaveParts
 from kvharbor.connector.vllm.device_copy import DeviceCopy
 from kvharbor.connector.vllm.host_copy import HostCopy
-from kvharbor.connector.vllm.layout import VllmLayout
+from kvharbor.connector.vllm.layout import ConnectorRefusal, VllmLayout
 from kvharbor.connector.vllm.metadata import ChunkTransfer, KVHarborMetadata
 from kvharbor.connector.vllm.pinning import cuda_host_register
 from kvharbor.connector.vllm.stats import empty
@@ -135,6 +135,7 @@ class WorkerSide:
             copy = DeviceCopy(tensors, num_blocks, per_chunk, engine.load_batch_bytes, engine.save_staging_bytes_max)
         else:
             copy = HostCopy(tensors, num_blocks, per_chunk, engine.load_batch_bytes)
+        self._check_chunk_bytes(copy.chunk_bytes)
         _log.info(
             "kvharbor: %d %scache tensors registered (rank %d, page %d B, %.2f MiB per %d-token chunk; layout %s)",
             len(kv_caches), "GPU " if on_gpu else "", self.rank, copy.pages.page_bytes, copy.chunk_bytes / 2**20,
@@ -148,6 +149,17 @@ class WorkerSide:
         # Connect now: an embedded gateway starts here, not in the first request's path.
         if self._load_link.start() and self._save_link.start():
             self._path.map()
+
+    def _check_chunk_bytes(self, registered: int) -> None:
+        """The scheduler looks up values of `VllmLayout.chunk_bytes`: a worker whose chunks
+        had another size would find every one of them a miss."""
+        expected = self.layout.chunk_bytes
+        if expected and registered != expected:
+            raise ConnectorRefusal(
+                f"the registered KV cache holds {registered} bytes per chunk where the KV cache config says "
+                f"{expected} ({', '.join(g.descriptor for g in self.layout.groups)}); layers sharing a cache "
+                "are not supported"
+            )
 
     # -- steps --------------------------------------------------------------------------
 
@@ -177,7 +189,10 @@ class WorkerSide:
         Every rank reaches the agreement in the same steps (those with loads or
         ``cache_off``), whatever its own state: the condition is the metadata's.
         The step's saves of a request whose restore fell short are dropped from
-        ``meta.saves``: their chunks are computed over blocks that were not restored.
+        ``meta.saves`` (this worker's copy: pickled to it, or, in the scheduler's
+        process, built for this step and not read again): their chunks are computed
+        over blocks that were not restored. vLLM recomputes them, and the scheduler
+        saves them then (`SchedulerSide.observe_load_errors`).
         """
         if not meta.loads and not meta.cache_off:
             return
