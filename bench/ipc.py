@@ -16,7 +16,9 @@ Against a real ``kvharbor gateway`` subprocess with a RAM tier, in one run:
   reference at once (``transport_vs_memcpy_c2``, ``_c8``): on a machine with
   fewer cores than clients both share the cores.
 - **round trips**: p50 and p99 of a LOOKUP of one key, with 1, 2 and 8 client
-  processes at once (``--clients``).
+  processes at once (``--clients``); and of the LOOKUP a scheduler sends for a
+  130,000-token prompt (`PROMPT_CHUNKS` keys, all resident in the RAM tier,
+  each value's size checked), one client.
 - **memory**: the gateway's anonymous RSS per stored key, after ``--keys``
   small values, and what is left of it once any stored bytes held there are
   subtracted (the index and the per-object overhead; values of a RAM tier in
@@ -60,6 +62,10 @@ from kvharbor.config import MIB, GatewaySection, load_config
 from kvharbor.gateway.client import GatewayClient
 
 FINGERPRINT = b"bench-ipc-layout"
+PROMPT_CHUNKS = 512
+"""Keys of a 130,000-token prompt at 256 tokens per chunk (507, rounded up)."""
+PROMPT_VALUE_BYTES = 4096
+"""Small stored values: the figure is the index's cost per key, not the bytes'."""
 RAM_TIER_PAYLOADS = 4
 """The RAM tier holds this many payloads: after the warm-up it is full, and every put
 evicts one value, the steady state of a serving cache."""
@@ -324,6 +330,28 @@ def _streaming_client(section: GatewaySection, nbytes: int, streaming: Any, stop
     client.close()
 
 
+def prompt_round_trips(section: GatewaySection, samples: int) -> list[int]:
+    """Nanoseconds of each LOOKUP of a long prompt's `PROMPT_CHUNKS` stored keys, sizes checked."""
+    client = GatewayClient.connect(section, "bench-prompt-rtt")
+    keys = [os.urandom(16) for _ in range(PROMPT_CHUNKS)]
+    batch = client.prepare_put(FINGERPRINT, [(key, PROMPT_VALUE_BYTES) for key in keys])
+    for view in batch.views:
+        assert view is not None
+        view[:] = os.urandom(PROMPT_VALUE_BYTES)
+    assert client.commit_put(batch) == PROMPT_CHUNKS
+    for _ in range(min(samples, 200)):  # Warm up.
+        client.probe(keys, 256, PROMPT_VALUE_BYTES)
+    timings = []
+    clock = time.perf_counter_ns
+    for _ in range(samples):
+        start = clock()
+        found = client.probe(keys, 256, PROMPT_VALUE_BYTES)
+        timings.append(clock() - start)
+    assert found.resident == PROMPT_CHUNKS, found
+    client.close()
+    return sorted(timings)
+
+
 def round_trips_beside_bulk(section: GatewaySection, key: bytes, samples: int, nbytes: int) -> list[int]:
     """LOOKUP round trips of one client while another streams ``nbytes`` puts and gets."""
     context = multiprocessing.get_context("spawn")
@@ -423,6 +451,9 @@ def main() -> None:
                 figures[f"rtt_p50_us{suffix}"] = percentile(timings, 0.50) / 1e3
                 figures[f"rtt_p99_us{suffix}"] = percentile(timings, 0.99) / 1e3
                 figures[f"lookups_per_s{suffix}"] = clients * 1e9 / (sum(timings) / len(timings))
+            prompt = prompt_round_trips(section, max(100, args.samples // 10))
+            figures["rtt_p50_us_prompt"] = percentile(prompt, 0.50) / 1e3
+            figures["rtt_p99_us_prompt"] = percentile(prompt, 0.99) / 1e3
             beside = round_trips_beside_bulk(section, key, args.samples, nbytes)
             figures["rtt_p50_us_beside_bulk"] = percentile(beside, 0.50) / 1e3
             figures["rtt_p99_us_beside_bulk"] = percentile(beside, 0.99) / 1e3
@@ -487,6 +518,10 @@ def main() -> None:
             f"LOOKUP rtt, {clients} client(s): p50 {figures['rtt_p50_us' + suffix]:7.1f} us, "
             f"p99 {figures['rtt_p99_us' + suffix]:7.1f} us, {figures['lookups_per_s' + suffix]:9.0f} lookups/s"
         )
+    print(
+        f"LOOKUP rtt of a 130k-token prompt ({PROMPT_CHUNKS} keys in RAM, sizes checked): "
+        f"p50 {figures['rtt_p50_us_prompt']:7.1f} us, p99 {figures['rtt_p99_us_prompt']:7.1f} us"
+    )
     print(
         f"LOOKUP rtt beside a 32 MiB put+get stream: p50 {figures['rtt_p50_us_beside_bulk']:7.1f} us, "
         f"p99 {figures['rtt_p99_us_beside_bulk']:7.1f} us"

@@ -46,6 +46,13 @@ class EngineSection(_Section):
     chunk_size: int = Field(256, gt=0, description="tokens per stored chunk")
     key_namespace: str = Field("default", min_length=1, max_length=128)
     require_cache_salt: bool = False
+    verify_wait_ms: int = Field(
+        2000, ge=0, description="how long a request waits for its stored chunks to be read back"
+    )
+    """Stored chunks outside a shared-memory RAM tier (on files) are read back in full before
+    the engine is told it has them; a request waits at most this long (other requests are
+    scheduled meanwhile). Past it, the chunks not read back by then are recomputed, not
+    promised. 0: only chunks in RAM are promised."""
     # The worker's data path (`connector.vllm.datapath`); none of these changes what is stored.
     load_batch_mb: int = Field(256, gt=0, le=4096, description="MiB asked of the gateway per load request")
     """Also the size of each of the two device staging slots a GPU's loads pass through (one is
@@ -282,6 +289,18 @@ class StorageSection(_Section):
     """Below 4 GiB: stored lengths are 32 bits (a chunk of 256 tokens of a 70B model is ~80 MiB)."""
     probe: bool = True
     """Write, read back and delete a test object in every tier at start; skip failing tiers."""
+    refill_ram: bool = True
+    """At gateway start the RAM tier is empty (no segment survives a gateway): copy the file
+    tiers' objects into it in the background, most recently used first, until it is full.
+    On by default: an engine restarted after a reboot (or a gateway restart) restores from
+    RAM, not from a disk that may be slower than prefill (~1.5 GB/s on the H200 host, where
+    reading 4 GiB takes longer than recomputing 32k tokens and the planner recomputes)."""
+    refill_ram_mb_per_s: int = Field(256, gt=0, description="MiB per second the RAM refill copies at most")
+    """Paces the refill so the disk and the CPU (each object is verified) stay free for the
+    engines' own requests, which never wait for it on a lock. 256: on a shared, noisy 2-core
+    machine a refill at 64-256 MiB/s left the p99 of a foreground 1 MiB put+get at 1.0-2.7x
+    its quiet value, at 512 and above at 9-11x (``bench/refill.py``: the refill competes for
+    the gateway's interpreter lock and its cores); 24 GiB then refill in ~100 s."""
     backpressure: BackpressureSection = BackpressureSection()
 
     @field_validator("tiers", mode="before")

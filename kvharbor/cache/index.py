@@ -36,13 +36,20 @@ class OverBudget(Exception):
 
 class TierIndex(ABC):
     @abstractmethod
-    def admit(self, entry: Entry, budget_bytes: int, pinned: frozenset[bytes] = frozenset()) -> list[Entry]:
+    def admit(
+        self, entry: Entry, budget_bytes: int, pinned: frozenset[bytes] = frozenset(), behind: bool = False
+    ) -> list[Entry]:
         """Record ``entry`` and return the least recently used entries to evict.
 
         The returned victims are already gone from the index; the caller deletes
         their bytes. ``pinned`` keys are never chosen (e.g. the chunks of the
         request being written). Raises `OverBudget` if ``entry`` alone exceeds
         the budget; then nothing changes.
+
+        ``behind``: record ``entry`` as the *least* recently used, and only into
+        free room: nothing is evicted (`OverBudget` instead), and a key already
+        here is left as it is (no victims). A refill copies objects older than
+        everything engines use now; they must go first, not push those out.
         """
 
     @abstractmethod
@@ -57,6 +64,10 @@ class TierIndex(ABC):
 
     @abstractmethod
     def get(self, key: bytes) -> Entry | None: ...
+
+    def nbytes(self, keys: Sequence[bytes]) -> list[int | None]:
+        """Per key, its `Entry.nbytes`, or None when absent."""
+        return [None if (entry := self.get(key)) is None else entry.nbytes for key in keys]
 
     @abstractmethod
     def used_bytes(self) -> int: ...
@@ -112,11 +123,16 @@ class MemoryIndex(TierIndex):
         self._used_bytes = 0
         self._lock = threading.Lock()
 
-    def admit(self, entry: Entry, budget_bytes: int, pinned: frozenset[bytes] = frozenset()) -> list[Entry]:
+    def admit(
+        self, entry: Entry, budget_bytes: int, pinned: frozenset[bytes] = frozenset(), behind: bool = False
+    ) -> list[Entry]:
         check_admission(entry, budget_bytes)
         with self._lock:
             table = self._table
             own = table.find(entry.key)
+            if behind:
+                self._admit_behind(entry, own, budget_bytes)
+                return []
             used = self._used_bytes - (table.get(own, _NBYTES) if own != NO_RECORD else 0)
             # Choose first, change after: a refusal must leave the index as it was.
             victims: list[Entry] = []
@@ -168,6 +184,12 @@ class MemoryIndex(TierIndex):
             record = self._table.find(key)
             return None if record == NO_RECORD else self._entry(record)
 
+    def nbytes(self, keys: Sequence[bytes]) -> list[int | None]:
+        # One lock and no Entry per key: a lookup of a long prompt asks this for every chunk.
+        with self._lock:
+            find, get = self._table.find, self._table.get
+            return [None if (record := find(key)) == NO_RECORD else get(record, _NBYTES) for key in keys]
+
     def used_bytes(self) -> int:
         return self._used_bytes
 
@@ -203,6 +225,18 @@ class MemoryIndex(TierIndex):
 
     # -- internals, under the lock -------------------------------------------
 
+    def _admit_behind(self, entry: Entry, own: int, budget_bytes: int) -> None:
+        """`admit` with ``behind`` (see there)."""
+        if own != NO_RECORD:
+            return
+        if self._used_bytes + entry.nbytes > budget_bytes:
+            raise OverBudget(f"{entry.nbytes} bytes do not fit the free room of the budget of {budget_bytes}")
+        record = self._table.insert(entry.key)
+        self._table.set(record, _NBYTES, entry.nbytes)
+        self._table.set(record, _PARTS, entry.parts)
+        self._link_oldest(record)
+        self._used_bytes += entry.nbytes
+
     def _entry(self, record: int) -> Entry:
         table = self._table
         return Entry(table.key_of(record), table.get(record, _NBYTES), table.get(record, _PARTS))
@@ -230,6 +264,16 @@ class MemoryIndex(TierIndex):
             self._newest = older
         else:
             table.set(newer, _OLDER, older)
+
+    def _link_oldest(self, record: int) -> None:
+        table = self._table
+        table.set(record, _OLDER, _LRU_END)
+        table.set(record, _NEWER, self._oldest)
+        if self._oldest == _LRU_END:
+            self._newest = record
+        else:
+            table.set(self._oldest, _OLDER, record)
+        self._oldest = record
 
     def _link_newest(self, record: int) -> None:
         table = self._table

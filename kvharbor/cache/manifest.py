@@ -107,7 +107,9 @@ class ManifestIndex(TierIndex):
         self._db = db
         self._lock = threading.Lock()
 
-    def admit(self, entry: Entry, budget_bytes: int, pinned: frozenset[bytes] = frozenset()) -> list[Entry]:
+    def admit(
+        self, entry: Entry, budget_bytes: int, pinned: frozenset[bytes] = frozenset(), behind: bool = False
+    ) -> list[Entry]:
         """See `TierIndex.admit`. Unlike `MemoryIndex`, pinned entries never push the
         directory over its budget: if they leave too little room, `OverBudget` is
         raised and nothing changes.
@@ -119,8 +121,12 @@ class ManifestIndex(TierIndex):
             used, count = meta["used_bytes"], meta["count"]
             old = db.execute("SELECT nbytes FROM objects WHERE key = ?", (key,)).fetchone()
             if old is not None:
+                if behind:
+                    return []
                 used, count = used - old[0], count - 1
-            victims = self._choose_victims(db, key, used + entry.nbytes - budget_bytes, pinned)
+            # Behind: no excess may be freed by eviction, so any excess refuses.
+            excess = used + entry.nbytes - budget_bytes
+            victims = self._choose_victims(db, key, excess, pinned) if not behind or excess <= 0 else None
             if victims is None:
                 raise OverBudget(
                     f"tier '{self.tier_name}': a value of {entry.nbytes} bytes does not fit "
@@ -130,6 +136,9 @@ class ManifestIndex(TierIndex):
             used -= sum(v.nbytes for v in victims)
             count -= len(victims)
             stamp, clock = _stamps(meta, 1)
+            if behind:
+                (oldest,) = db.execute("SELECT MIN(last_access) FROM objects").fetchone()
+                stamp, clock = (stamp, clock) if oldest is None else (oldest - 1, meta["clock"])
             db.execute(
                 "INSERT OR REPLACE INTO objects VALUES (?, ?, ?, ?)",
                 (key, entry.nbytes, entry.parts, stamp),
@@ -188,6 +197,19 @@ class ManifestIndex(TierIndex):
                 "SELECT key, nbytes, parts FROM objects ORDER BY last_access LIMIT ?", (limit,)
             ).fetchall()
         return [Entry(key, nbytes, parts) for key, nbytes, parts in rows]
+
+    def most_recent(self, limit: int, older_than: int | None = None) -> tuple[list[Entry], int | None]:
+        """Up to ``limit`` entries, most recently used first, each used before ``older_than``
+        (an access stamp; None: from the newest), and the cursor to pass for the next
+        ones (None when there are none). Stamps are unique, so a cursor skips nothing."""
+        newest_first = "SELECT key, nbytes, parts, last_access FROM objects {} ORDER BY last_access DESC LIMIT ?"
+        with self._read() as db:
+            if older_than is None:
+                rows = db.execute(newest_first.format(""), (limit,)).fetchall()
+            else:
+                rows = db.execute(newest_first.format("WHERE last_access < ?"), (older_than, limit)).fetchall()
+        cursor = rows[-1][3] if rows else None
+        return [Entry(key, nbytes, parts) for key, nbytes, parts, _ in rows], cursor
 
     def rebuild(self, entries: Iterable[Entry]) -> None:
         with self._write() as db:

@@ -4,7 +4,9 @@ Contracts:
 
 - `lookup` answers how many *leading* keys are stored somewhere, in one
   batched index query per tier. Keys are prefix-chained, so the first miss ends
-  the usable prefix.
+  the usable prefix. `probe` says as well how many of them are resident (see
+  `Tier.resident`): those can be promised as they are; `verify` reads the
+  others back in full before anyone promises them.
 - `get` searches tiers top-down and promotes a hit into the tiers above it.
 - `put` writes the first tier, and then either every lower tier now
   (write-through) or each lower tier when the one above evicts (write-back).
@@ -27,6 +29,9 @@ from kvharbor.cache.accounting import HitAccounting
 from kvharbor.cache.index import Entry
 from kvharbor.cache.tier import BufferSource, Reservation, SharedHit, Tier, TierStatus, new_buffer
 from kvharbor.hal.base import Buffer
+from kvharbor.telemetry.log import OnceLog, get_logger
+
+_log = get_logger("kvharbor.cache.store")
 
 WritePolicy = Literal["write_through", "write_back"]
 
@@ -38,6 +43,16 @@ class StoreStatus:
     hits: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """What a `TieredStore.probe` found."""
+
+    hits: int
+    """Leading keys some tier holds."""
+    resident: int
+    """Of those, the leading ones a resident tier holds as values of the asked size."""
+
+
 class TieredStore:
     def __init__(self, tiers: Sequence[Tier], write_policy: WritePolicy = "write_through") -> None:
         names = [t.name for t in tiers]
@@ -47,6 +62,7 @@ class TieredStore:
         self.accounting = HitAccounting()
         self._closed = False
         self._close_lock = threading.Lock()
+        self._once = OnceLog(_log)
 
     # -- queries -----------------------------------------------------------
 
@@ -55,13 +71,67 @@ class TieredStore:
 
         ``chunk_tokens`` (tokens per key) only feeds hit accounting in tokens.
         """
+        return self.probe(keys, chunk_tokens).hits
+
+    def probe(self, keys: Sequence[bytes], chunk_tokens: int = 0, value_bytes: int = 0) -> Probe:
+        """`lookup`, and how many leading hits the first tier holds as resident values
+        (`Tier.resident`) of ``value_bytes`` (0: of any size): those need no reading back
+        before a promise.
+
+        A key the first, resident tier holds as a value of another size is not a hit:
+        that tier is the one a get reads, and the value would fill no chunk of this layout.
+        """
         if not keys:
-            return 0
-        present = self.contains(keys)
-        hit = next((i for i, p in enumerate(present) if not p), len(keys))
-        assert 0 <= hit <= len(keys)
-        self.accounting.record(len(keys) * chunk_tokens, hit * chunk_tokens)
-        return hit
+            return Probe(0, 0)
+        resident = 0
+        first = self.tiers[0] if self.tiers else None
+        wrong_size = False
+        if first is not None and first.resident:
+            # The first tier's index answers presence too: a prompt all in RAM costs one
+            # index query, as a plain lookup does.
+            for size in first.value_sizes(keys):
+                if size is None:
+                    break  # Not there: held below (read back before a promise), or a miss.
+                if value_bytes and size != value_bytes:
+                    wrong_size = True
+                    break
+                resident += 1
+        rest = [] if wrong_size else keys[resident:]
+        present = self.contains(rest) if rest else []
+        hits = resident + next((i for i, p in enumerate(present) if not p), len(rest))
+        assert 0 <= resident <= hits <= len(keys)
+        self.accounting.record(len(keys) * chunk_tokens, hits * chunk_tokens)
+        return Probe(hits, resident)
+
+    def verify(
+        self,
+        items: Sequence[tuple[bytes, bytes]],
+        value_bytes: int = 0,
+        progress: Callable[[int], None] | None = None,
+    ) -> int:
+        """How many leading (fingerprint, key) ``items`` are stored intact, as values of
+        ``value_bytes`` (0: of any size), each read back in full.
+
+        A read is a `get`: verified against its checksums (a damaged value is dropped
+        and is a miss) and promoted into the tiers above, so that the load that follows
+        reads memory. A value of another size is dropped as well: under its key it can
+        fill nobody's chunk. ``progress(done)`` hears after each item.
+        """
+        for done, (fingerprint, key) in enumerate(items):
+            value = self.get(key, fingerprint, touch=False)
+            if value is None:
+                return done
+            if value_bytes and value.nbytes != value_bytes:
+                self._once.say(
+                    "wrong-size",
+                    f"chunk {key.hex()} holds {value.nbytes} bytes where its layout needs {value_bytes}; "
+                    "dropped, a miss (said once)",
+                )
+                self.delete([key])
+                return done
+            if progress is not None:
+                progress(done + 1)
+        return len(items)
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         """Per key: does any tier hold it?"""

@@ -86,6 +86,11 @@ class TierCounters:
 
 
 @dataclass(frozen=True, slots=True)
+class Damaged:
+    """A read's answer for an object that failed verification (counted and dropped)."""
+
+
+@dataclass(frozen=True, slots=True)
 class SharedHit:
     """A value served in place: ``offset`` and ``length`` of the value (not its header)
     in the shared segment, valid until `release`."""
@@ -173,6 +178,27 @@ class Tier:
         self._engine_fingerprints: dict[bytes, bytes] = {}
 
     # -- reads -------------------------------------------------------------
+
+    @property
+    def resident(self) -> bool:
+        """Are this tier's values verified where readers see them, beyond anyone's reach but
+        the gateway's, and stored plain (the index knows their sizes)? A shared-memory
+        tier's are (see `_verify_shared`): its hits can be promised as they are. A tier
+        that outlives the gateway (files) may have been damaged at rest, and a RAM tier in
+        the gateway's memory was checksummed before the copy: their hits are read back
+        before a promise."""
+        return isinstance(self.device, SharedSpans) and self.codec is Codec.NONE
+
+    def value_sizes(self, keys: Sequence[bytes]) -> list[int | None]:
+        """Per key, the bytes of its value if held as one plain object, or None when it is
+        absent; from the index alone. (A fragmented value reads as a size larger than its
+        own: one header per fragment.)"""
+        try:
+            sizes = self.index.nbytes(keys)
+        except DeviceError as err:
+            self._index_fault(err)
+            return [None] * len(keys)
+        return [None if n is None else n - HEADER_BYTES for n in sizes]
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         """Which keys the index says are here; an open breaker says none."""
@@ -296,19 +322,45 @@ class Tier:
         Its own header names its layout; it is verified like any read, but
         counted as neither a get nor a hit.
         """
-        head = memoryview(bytearray(HEADER_BYTES))
         try:
-            if self.device.peek(entry.key, head) != HEADER_BYTES:
-                return None
-            stored = parse_header(head).fingerprint
-            # The tiers below store under the engine's fingerprint; one this process
-            # never saw (stored before a restart) cannot be told: not demoted.
-            fingerprint = self._engine_fingerprints.get(stored) if self.layout else stored
-            if fingerprint is None:
-                return None
-            value = decode(entry.key, stored, self._read_part_fn(entry.key, new_buffer))
+            return self._read_described(entry.key)
         except (CorruptObject, DeviceError):
             return None
+
+    def read_described(self, key: bytes) -> tuple[bytes, memoryview] | Damaged | None:
+        """``key``'s engine fingerprint and verified value, told by the object's own header,
+        for a copy no engine asked for (the RAM refill): counted as neither a get nor a hit,
+        and recency is left as it was. A damaged object is counted, dropped and answered
+        `Damaged`; None: gone, unreadable (a fault, fed to the breaker) or stored under a
+        fingerprint this process cannot tell (see `_read_described`)."""
+        with self._attempt() as attempt:
+            if not attempt.allowed:
+                return None
+            try:
+                described = self._read_described(key)
+            except CorruptObject as err:
+                self._corrupt(key, err)
+                return Damaged()
+            except DeviceError as err:
+                self._fault("read", err)
+                return None
+            self._ok()
+            return described
+
+    def _read_described(self, key: bytes) -> tuple[bytes, memoryview] | None:
+        """The engine fingerprint the header of ``key``'s object names, and its verified value;
+        raises `CorruptObject` or `DeviceError`."""
+        head = memoryview(bytearray(HEADER_BYTES))
+        got = self.device.peek(key, head)
+        if got is None:
+            return None
+        stored = parse_header(head[:got]).fingerprint
+        # The tiers above store under the engine's fingerprint; one this process never
+        # saw (stored before a restart) cannot be told from this tier's own: not copied.
+        fingerprint = self._engine_fingerprints.get(stored) if self.layout else stored
+        if fingerprint is None:
+            return None
+        value = decode(key, stored, self._read_part_fn(key, new_buffer))
         return None if value is None else (fingerprint, value)
 
     # -- writes ------------------------------------------------------------
@@ -320,6 +372,7 @@ class Tier:
         value: Buffer,
         pinned: frozenset[bytes] = frozenset(),
         on_evict: Callable[[Sequence[Entry]], None] | None = None,
+        behind: bool = False,
     ) -> bool:
         """Store ``value``; True if stored.
 
@@ -328,11 +381,16 @@ class Tier:
         there), then deleted *before* the new value is written: a device whose
         hard limit is the tier budget (RAM) must really have the room the index
         promised, or every put into a full tier would fail.
+
+        ``behind``: store it as the least recently used value, only into free
+        room and only if the key is not here yet (see `TierIndex.admit`); False,
+        quietly, when it does not fit: the refill's end, not a fault.
         """
         with self._attempt() as attempt:
             if not attempt.allowed:
                 return False
-            return self._write_encoded(key, self._stored_fingerprint(fingerprint), value, pinned, on_evict)
+            stored = self._stored_fingerprint(fingerprint)
+            return self._write_encoded(key, stored, value, pinned, on_evict, behind)
 
     def _write_encoded(
         self,
@@ -341,14 +399,17 @@ class Tier:
         value: Buffer,
         pinned: frozenset[bytes],
         on_evict: Callable[[Sequence[Entry]], None] | None,
+        behind: bool,
     ) -> bool:
         """`write`'s body, run under the breaker's attempt."""
+        if behind and self.contains([key])[0]:
+            return False
         try:
             parts = encode(key, fingerprint, value, self.codec, self.device.max_value_bytes)
         except ValueError as err:
             return self._unstorable(err)
         entry = Entry(bytes(key), sum(p.nbytes for p in parts), len(parts))
-        if not self._admit(entry, pinned, on_evict):
+        if not self._admit(entry, pinned, on_evict, behind):
             return False
         try:
             for part in parts:
@@ -546,17 +607,22 @@ class Tier:
         return attempt
 
     def _admit(
-        self, entry: Entry, pinned: frozenset[bytes], on_evict: Callable[[Sequence[Entry]], None] | None
+        self,
+        entry: Entry,
+        pinned: frozenset[bytes],
+        on_evict: Callable[[Sequence[Entry]], None] | None,
+        behind: bool = False,
     ) -> bool:
         """Have the index take ``entry``, handing what it lets go to ``on_evict`` and
-        then deleting those bytes; False (said and counted) if it cannot."""
+        then deleting those bytes; False (said and counted, unless ``behind``: see
+        `write`) if it cannot."""
         try:
-            victims = self.index.admit(entry, self.capacity_bytes, pinned)
+            victims = self.index.admit(entry, self.capacity_bytes, pinned, behind)
         except DeviceError as err:
             self._index_fault(err)
             return False
         except OverBudget as err:
-            return self._unstorable(err)
+            return False if behind else self._unstorable(err)
         if victims:
             if on_evict is not None:
                 on_evict(victims)

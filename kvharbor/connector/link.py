@@ -18,7 +18,8 @@ that request.
 The links of one process to one gateway (a vLLM worker's load and save
 links, and the scheduler's where it shares the process) share one
 `RankSwitch`: the first failure turns the cache off for all of them, and the
-line is said once per process, not once per link.
+line is said once per process, not once per link. The ranks of one engine
+turn their switches off together (`kvharbor.connector.ranks`).
 """
 
 from __future__ import annotations
@@ -32,12 +33,16 @@ from typing import ClassVar
 from kvharbor.config import Config
 from kvharbor.gateway import embedded
 from kvharbor.gateway.client import GatewayClient, GatewayError, GatewayRefused, GetBatch
+from kvharbor.gateway.protocol import LookupOk
 from kvharbor.gateway.shm import Segment
 from kvharbor.telemetry.log import PREFIX, OnceLog, get_logger
 
 _log = get_logger("kvharbor.connector")
 
 Connect = Callable[[Config, str], GatewayClient]
+
+_NONE = LookupOk(0, 0)
+"""A lookup's answer when the cache cannot give one: a miss."""
 
 
 @dataclass(slots=True)
@@ -90,6 +95,16 @@ class RankSwitch:
             return True
 
 
+def say_off(reason: str) -> None:
+    """The restart rule's line; said once per rank, by whoever turned its switch off."""
+    _log.error(
+        "%sexternal KV cache turned off on this rank: %s. The engine keeps serving without it; "
+        "restart the engine (and the gateway, in service mode) to turn it back on",
+        PREFIX,
+        reason,
+    )
+
+
 class CacheLink:
     def __init__(
         self,
@@ -121,23 +136,48 @@ class CacheLink:
         """Connect now (rather than on first use); True if the cache is on."""
         return self._get_client() is not None
 
-    def lookup(self, keys: Sequence[bytes], chunk_tokens: int) -> int:
-        """How many leading keys are stored; 0 when the cache is off or faulty."""
+    def lookup(self, keys: Sequence[bytes], chunk_tokens: int, value_bytes: int = 0) -> LookupOk:
+        """How many leading keys are stored as values of ``value_bytes`` (0: any size), and
+        how many of those are resident (promised as they are; see `LookupOk`); none when
+        the cache is off or faulty."""
         if not keys:
-            return 0
+            return _NONE
         client = self._get_client()
         if client is None:
-            return 0
+            return _NONE
         try:
-            hits = client.lookup(keys, chunk_tokens)
+            found = client.probe(keys, chunk_tokens, value_bytes)
         except GatewayError as err:
             self._failed(err)
-            return 0
-        assert 0 <= hits <= len(keys), (hits, len(keys))
+            return _NONE
+        assert 0 <= found.resident <= found.hits <= len(keys), (found, len(keys))
         self.counters.lookups += 1
         self.counters.lookup_chunks += len(keys)
-        self.counters.hit_chunks += hits
-        return hits
+        self.counters.hit_chunks += found.hits
+        return found
+
+    def verify(self, items: Sequence[tuple[bytes, bytes]], value_bytes: int = 0) -> int | None:
+        """How many leading (fingerprint, key) items are stored intact, read back in full
+        (`GatewayClient.verify`); None when there is no answer (the cache is off or faulty,
+        or the gateway refused the request): nothing was found damaged then."""
+        client = self._get_client()
+        if client is None:
+            return None
+        try:
+            return client.verify(items, value_bytes)
+        except GatewayError as err:
+            self._failed(err)
+            return None
+
+    def drop(self, keys: Sequence[bytes]) -> None:
+        """Remove ``keys`` from every tier; nothing when the cache is off or faulty."""
+        client = self._get_client()
+        if client is None or not keys:
+            return
+        try:
+            client.drop(keys)
+        except GatewayError as err:
+            self._failed(err)
 
     def load(self, fingerprint: bytes, keys: Sequence[bytes], sink: Callable[[int, memoryview], None]) -> int:
         """Hand the values of the leading stored keys to ``sink(i, value)``, in order.
@@ -314,12 +354,7 @@ class CacheLink:
 
     def _turn_off(self, err: GatewayError) -> None:
         if self.switch.turn_off(str(err)):
-            _log.error(
-                "%sexternal KV cache turned off on this rank: %s. The engine keeps serving without it; "
-                "restart the engine (and the gateway, in service mode) to turn it back on",
-                PREFIX,
-                err,
-            )
+            say_off(str(err))
         self._drop_client()
 
     def _drop_client(self) -> None:

@@ -249,16 +249,40 @@ class GatewayClient:
 
     def lookup(self, keys: Sequence[bytes], chunk_tokens: int = 0) -> int:
         """How many leading keys the gateway holds."""
-        hits = 0
+        return self.probe(keys, chunk_tokens).hits
+
+    def probe(self, keys: Sequence[bytes], chunk_tokens: int = 0, value_bytes: int = 0) -> p.LookupOk:
+        """How many leading keys the gateway holds as values of ``value_bytes`` (0: any
+        size), and how many of those leading ones are resident (see `p.LookupOk`)."""
+        hits = resident = 0
         for start in range(0, len(keys), p.KEYS_PER_MESSAGE_MAX):
             part = list(keys[start : start + p.KEYS_PER_MESSAGE_MAX])
-            found = self._call(p.Lookup(chunk_tokens, part), p.LookupOk).hits
+            found = self._call(p.Lookup(chunk_tokens, part, value_bytes), p.LookupOk)
+            if not 0 <= found.hits <= len(part):
+                raise self._fail(f"LOOKUP_OK says {found.hits} hits for {len(part)} keys")
+            resident += found.resident if resident == hits else 0
+            hits += found.hits
+            if found.hits < len(part):
+                break
+        return p.LookupOk(hits, resident)
+
+    def verify(self, items: Sequence[tuple[bytes, bytes]], value_bytes: int = 0) -> int:
+        """How many leading (fingerprint, key) items the gateway read back intact (see `p.Verify`)."""
+        verified = 0
+        for start in range(0, len(items), p.KEYS_PER_MESSAGE_MAX):
+            part = list(items[start : start + p.KEYS_PER_MESSAGE_MAX])
+            found = self._call(p.Verify(value_bytes, part), p.VerifyOk).count
             if not 0 <= found <= len(part):
-                raise self._fail(f"LOOKUP_OK says {found} hits for {len(part)} keys")
-            hits += found
+                raise self._fail(f"VERIFY_OK says {found} verified of {len(part)}")
+            verified += found
             if found < len(part):
                 break
-        return hits
+        return verified
+
+    def drop(self, keys: Sequence[bytes]) -> None:
+        """Remove ``keys`` from every tier (see `p.Drop`)."""
+        for start in range(0, len(keys), p.KEYS_PER_MESSAGE_MAX):
+            self._call(p.Drop(list(keys[start : start + p.KEYS_PER_MESSAGE_MAX])), p.Dropped)
 
     def prepare_put(self, fingerprint: bytes, items: Sequence[tuple[bytes, int]]) -> PutBatch:
         ready = self._call(p.PutPrepare(fingerprint, list(items)), p.PutReady)

@@ -24,10 +24,11 @@ from typing import Any, ClassVar, NamedTuple
 from kvharbor.cache.keys import KEY_BYTES
 from kvharbor.config import ConfigDigest
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 """Bumped on any change to frames or message bodies. 2: PROGRESS. 4: PUT_COMMIT carries
 the writer's payload checksums. 5: HELLO carries the client's `ConfigDigest`. 6: PUT_READY
-lends an area for completion marks."""
+lends an area for completion marks. 7: LOOKUP checks value sizes and answers which hits
+are resident; VERIFY and DROP."""
 
 FRAME = struct.Struct("<IHHQ")
 FRAME_BYTES = FRAME.size
@@ -44,6 +45,10 @@ class MessageType(enum.IntEnum):
     PROGRESS = 4
     LOOKUP = 10
     LOOKUP_OK = 11
+    VERIFY = 12
+    VERIFY_OK = 13
+    DROP = 14
+    DROPPED = 15
     PUT_PREPARE = 20
     PUT_READY = 21
     PUT_COMMIT = 22
@@ -168,6 +173,7 @@ class _Reader:
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 _KEY_SIZE = struct.Struct(f"<{KEY_BYTES}sQ")
+_KEY_KEY = struct.Struct(f"<{KEY_BYTES}s{KEY_BYTES}s")
 _OFFSET_LENGTH = struct.Struct("<QQ")
 
 
@@ -322,29 +328,110 @@ class Progress(Message):
 
 @dataclass(frozen=True, slots=True)
 class Lookup(Message):
+    """How many leading keys are stored, as values of ``value_bytes`` each (0: any size)."""
+
     TYPE: ClassVar[MessageType] = MessageType.LOOKUP
     chunk_tokens: int
     keys: list[bytes]
+    value_bytes: int = 0
 
     def body(self) -> bytes:
-        return _U32.pack(self.chunk_tokens) + _keys(self.keys)
+        return _U32.pack(self.chunk_tokens) + _U64.pack(self.value_bytes) + _keys(self.keys)
 
     @classmethod
     def parse(cls, reader: _Reader) -> Lookup:
-        return cls(reader.u32(), _read_keys(reader))
+        chunk_tokens, value_bytes = reader.u32(), reader.unpack(_U64)[0]
+        return cls(chunk_tokens, _read_keys(reader), value_bytes)
 
 
 @dataclass(frozen=True, slots=True)
 class LookupOk(Message):
     TYPE: ClassVar[MessageType] = MessageType.LOOKUP_OK
     hits: int
+    resident: int = 0
+    """Of the hits, how many leading ones a memory tier holds: verified when they were
+    written, where nothing outside the gateway can change them; the rest (on a tier that
+    outlives the gateway, such as files) are verified with `Verify` before a promise."""
 
     def body(self) -> bytes:
-        return _U32.pack(self.hits)
+        return _U32.pack(self.hits) + _U32.pack(self.resident)
 
     @classmethod
     def parse(cls, reader: _Reader) -> LookupOk:
+        hits, resident = reader.u32(), reader.u32()
+        if resident > hits:
+            raise ProtocolError(ErrorCode.MALFORMED, f"LOOKUP_OK says {resident} resident of {hits} hits")
+        return cls(hits, resident)
+
+
+@dataclass(frozen=True, slots=True)
+class Verify(Message):
+    """Read back the values of ``items`` (fingerprint, key) in order, in full: how many
+    leading ones are intact and ``value_bytes`` long (0: any size). A value that is not
+    is dropped, as any damaged read is; a RAM tier above takes the intact ones on the
+    way (a promotion), so the load that follows reads memory."""
+
+    TYPE: ClassVar[MessageType] = MessageType.VERIFY
+    value_bytes: int
+    items: list[tuple[bytes, bytes]]
+
+    def body(self) -> bytes:
+        _check_count(len(self.items))
+        return (
+            _U64.pack(self.value_bytes)
+            + _U32.pack(len(self.items))
+            + b"".join(_KEY_KEY.pack(_check_key(f), _check_key(k)) for f, k in self.items)
+        )
+
+    @classmethod
+    def parse(cls, reader: _Reader) -> Verify:
+        value_bytes = reader.unpack(_U64)[0]
+        n = reader.entries(_KEY_KEY.size)
+        items = []
+        for _ in range(n):
+            fingerprint, key = reader.unpack(_KEY_KEY)
+            items.append((bytes(fingerprint), bytes(key)))
+        return cls(value_bytes, items)
+
+
+@dataclass(frozen=True, slots=True)
+class Count(Message):
+    """A reply that only counts: values verified, keys dropped."""
+
+    count: int
+
+    def body(self) -> bytes:
+        return _U32.pack(self.count)
+
+    @classmethod
+    def parse(cls, reader: _Reader) -> Count:
         return cls(reader.u32())
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyOk(Count):
+    TYPE: ClassVar[MessageType] = MessageType.VERIFY_OK
+
+
+@dataclass(frozen=True, slots=True)
+class Drop(Message):
+    """Remove ``keys`` from every tier: values that must be stored anew (they lie behind
+    a chunk that failed verification, so nothing reaches them until they are)."""
+
+    TYPE: ClassVar[MessageType] = MessageType.DROP
+    keys: list[bytes]
+
+    def body(self) -> bytes:
+        return _keys(self.keys)
+
+    @classmethod
+    def parse(cls, reader: _Reader) -> Drop:
+        return cls(_read_keys(reader))
+
+
+@dataclass(frozen=True, slots=True)
+class Dropped(Count):
+    TYPE: ClassVar[MessageType] = MessageType.DROPPED
 
 
 @dataclass(frozen=True, slots=True)
@@ -588,8 +675,8 @@ class StatusOk(Message):
 _TYPES: dict[int, type[Message]] = {
     cls.TYPE: cls
     for cls in (
-        Hello, HelloOk, Error, Progress, Lookup, LookupOk, PutPrepare, PutReady, PutCommit, PutDone,
-        Get, GetReady, Release, Released, Status, StatusOk,
+        Hello, HelloOk, Error, Progress, Lookup, LookupOk, Verify, VerifyOk, Drop, Dropped, PutPrepare,
+        PutReady, PutCommit, PutDone, Get, GetReady, Release, Released, Status, StatusOk,
     )
 }  # fmt: skip
 

@@ -30,6 +30,7 @@ from typing import Any
 
 from kvharbor import __version__
 from kvharbor.cache.assembly import device_limit, open_store
+from kvharbor.cache.refill import RamRefill
 from kvharbor.cache.store import TieredStore
 from kvharbor.config import MIB, Config
 from kvharbor.gateway import protocol as p
@@ -145,6 +146,7 @@ class Gateway:
         self.store: TieredStore | None = None
         self._prober: TierProber | None = None
         self.transfers: Transfers | None = None
+        self.refill: RamRefill | None = None
         self._listener: socket.socket | None = None
         self._socket_bound = False
         self._lock_file: int | None = None
@@ -180,8 +182,10 @@ class Gateway:
         self.store = open_store(self.config, start_clean=self.start_clean, devices=shared)
         self._prober = TierProber(
             self.store.tiers, self.config.storage.backpressure.circuit_breaker.background_probe_interval_s
-        ).start()
+        )
         self.transfers = Transfers(self.config, self.store, self.segment, self.ring_bytes, self._count)
+        storage = self.config.storage
+        self.refill = RamRefill(self.store, storage.refill_ram, storage.refill_ram_mb_per_s)
         # Ours to replace: we hold the lock, so a socket file here is a dead gateway's.
         self.socket_path.unlink(missing_ok=True)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -198,6 +202,8 @@ class Gateway:
         listener.listen(gw.clients_max)
         if self._lifetime is not None:
             self._lifetime.start()
+        self.refill.start()
+        self._prober.start()
         _log.info(
             "kvharbor: gateway %s (protocol %d, pid %d) serving %s, shared memory %s (%d MiB), start-clean=%d",
             __version__, p.PROTOCOL_VERSION, os.getpid(), self.socket_path, self.segment.path,
@@ -321,6 +327,8 @@ class Gateway:
             self._stop_clients()
             if self._prober is not None:
                 self._prober.stop()
+            if self.refill is not None:
+                self.refill.stop(self.config.gateway.stop_timeout_ms / 1000)
             if self.transfers is not None:
                 self.transfers.close()
             if self.store is not None:
@@ -354,6 +362,7 @@ class Gateway:
 
     def status(self) -> dict[str, Any]:
         assert self.store is not None and self.transfers is not None and self.segment is not None
+        assert self.refill is not None
         with self._clients_lock:
             connections = [c for c, _ in self._clients.values()]
         with self._counters_lock:
@@ -378,6 +387,7 @@ class Gateway:
             "transfers_open": sum(len(c.batches) for c in connections),
             "counters": counters,
             "store": asdict(self.store.status()),
+            "refill": asdict(self.refill.status()),
         }
 
     # -- one client --------------------------------------------------------
@@ -474,8 +484,14 @@ class Gateway:
         match message:
             case p.Hello():
                 return self._hello(message)
-            case p.Lookup(chunk_tokens=chunk_tokens, keys=keys):
-                return p.LookupOk(store.lookup(keys, chunk_tokens))
+            case p.Lookup(chunk_tokens=chunk_tokens, keys=keys, value_bytes=value_bytes):
+                probe = store.probe(keys, chunk_tokens, value_bytes)
+                return p.LookupOk(probe.hits, probe.resident)
+            case p.Verify(value_bytes=value_bytes, items=items):
+                return p.VerifyOk(store.verify(items, value_bytes, progress))
+            case p.Drop(keys=keys):
+                store.delete(keys)
+                return p.Dropped(len(keys))
             case p.PutPrepare():
                 batch_id, batch, offsets = transfers.prepare_put(message, progress)
                 batches[batch_id] = batch

@@ -21,6 +21,11 @@ kvharbor is on. Spec keys:
 - ``die_before_commit``: optional; the engine (this process, the worker included:
   multiprocessing is off) SIGKILLs itself when its first save is about to be
   committed, its chunks copied and marked: vLLM's default shutdown at its worst.
+- ``hang_up``: optional ``{"gateway_pid": int, "gateway_log": path, "client": str,
+  "after_round": int}``: after that round, the service gateway's connections to
+  the process of the client whose name starts with ``client`` (found in the
+  gateway's log) are shut down inside the gateway process, as when the gateway
+  hangs up on that client; one ``E2E {"hung_up": n, ...}`` line.
 
 Last line: ``E2E {"metrics": {...}}``, the ``vllm:kvharbor_*`` and
 ``vllm:external_prefix_cache_*`` values.
@@ -28,12 +33,18 @@ Last line: ``E2E {"metrics": {...}}``, the ``vllm:kvharbor_*`` and
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import functools
 import json
 import os
+import re
 import select
 import signal
+import socket
+import struct
 import sys
+from collections.abc import Callable
 from typing import Any
 
 
@@ -64,7 +75,8 @@ def report(tag: str, output: Any) -> None:
     )
 
 
-def run_rounds(llm: Any, rounds: list[list[dict[str, Any]]]) -> None:
+def run_rounds(llm: Any, rounds: list[list[dict[str, Any]]], between: Callable[[int], None]) -> None:
+    """Each round, then ``between(round number)``."""
     from vllm import SamplingParams
 
     for number, requests in enumerate(rounds):
@@ -83,6 +95,7 @@ def run_rounds(llm: Any, rounds: list[list[dict[str, Any]]]) -> None:
                 - before.get("vllm:external_prefix_cache_queries", 0),
             }
         )
+        between(number)
 
 
 def wait_dead(pid: int) -> None:
@@ -118,6 +131,54 @@ def run_stream(llm: Any, stream: dict[str, Any]) -> None:
     emit({"steps": steps, "killed": killed})
 
 
+SYS_PIDFD_GETFD = 438
+"""pidfd_getfd(2): a copy of another process's file descriptor (same number on every Linux architecture)."""
+
+
+def client_pid(gateway_log: str, client: str) -> int:
+    """The pid of the client whose name starts with ``client``, from the gateway's "attached" line."""
+    with open(gateway_log) as f:
+        found = re.findall(rf"client '{re.escape(client)}[^']*' \(pid (\d+)\) attached", f.read())
+    assert found, f"no client {client!r} attached in {gateway_log}"
+    return int(found[-1])
+
+
+def hang_up(gateway_pid: int, peer_pid: int) -> int:
+    """Shut down, inside the gateway process, each of its connections whose peer is ``peer_pid``."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    pidfd = os.pidfd_open(gateway_pid)
+    hung = 0
+    try:
+        for entry in os.scandir(f"/proc/{gateway_pid}/fd"):
+            with contextlib.suppress(OSError):  # An fd closed meanwhile.
+                if not os.readlink(entry.path).startswith("socket:"):
+                    continue
+                fd = libc.syscall(SYS_PIDFD_GETFD, pidfd, int(entry.name), 0)
+                if fd < 0:
+                    continue
+                with socket.socket(fileno=fd) as sock:  # Closing our copy leaves the gateway's open.
+                    if sock.family != socket.AF_UNIX:
+                        continue
+                    pid, _, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+                    if pid == peer_pid:
+                        sock.shutdown(socket.SHUT_RDWR)
+                        hung += 1
+    finally:
+        os.close(pidfd)
+    return hung
+
+
+def after_round(spec: dict[str, Any]) -> Callable[[int], None]:
+    cut = spec.get("hang_up")
+
+    def after(number: int) -> None:
+        if cut is not None and number == cut["after_round"]:
+            pid = client_pid(cut["gateway_log"], cut["client"])
+            emit({"hung_up": hang_up(cut["gateway_pid"], pid), "client_pid": pid})
+
+    return after
+
+
 def announce_release(release: str) -> None:
     from kvharbor.gateway.client import GatewayClient
 
@@ -148,7 +209,7 @@ def main() -> int:
     options = {"enforce_eager": True, "dtype": "float32", "max_model_len": 4096, "disable_log_stats": False}
     options.update(spec.get("llm", {}))
     llm = LLM(model=spec["model"], **options)
-    run_rounds(llm, spec.get("rounds", []))
+    run_rounds(llm, spec.get("rounds", []), after_round(spec))
     if spec.get("stream"):
         run_stream(llm, spec["stream"])
     emit({"metrics": metrics(llm)})

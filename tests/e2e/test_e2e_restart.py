@@ -1,13 +1,16 @@
 """A restart hit with the offline `LLM`: what one process stored, a fresh one restores.
 
 Also the worst case for the load plan: a prompt whose start vLLM's own prefix
-cache holds (ending inside a chunk) and whose rest comes from kvharbor.
+cache holds (ending inside a chunk) and whose rest comes from kvharbor; and
+a store damaged on disk: nothing of it is promised, and it heals at once.
 """
 
 from __future__ import annotations
 
 import pytest
 from e2e_harness import BLOCK, CHUNK, Lab, bound, request, tokens
+
+from tests.support.damage import damage_file_objects
 
 pytestmark = pytest.mark.e2e
 
@@ -50,5 +53,26 @@ def test_restart_restores_the_bound_with_identical_output(lab: Lab) -> None:
     assert all(len(t) == 8 for t in expected.values())
     metrics = restarted.metrics()
     assert metrics["vllm:kvharbor_loaded_chunks"] == 3 + 1 + 3
+    # From the file tier only: each was read back in full before it was promised.
+    assert metrics["vllm:kvharbor_verified_chunks"] == 3 + 1 + 3
     assert metrics["vllm:kvharbor_load_errors"] == 0
     assert metrics["vllm:kvharbor_cache_off"] == 0
+
+    # Every stored object damaged on disk: nothing is promised (what vLLM reports as
+    # cached is what was restored: nothing), the output is the same, and the chunks
+    # recomputed are stored again in the same request, so the next run hits in full.
+    assert damage_file_objects(lab.cache) == len(LONG) // CHUNK + len(ROUND) // CHUNK
+    damaged = lab.run({"rounds": [[request(LONG)]]}).ok()
+    [result] = damaged.requests().values()
+    assert result["cached"] == 0 and damaged.rounds()[0]["external_hits"] == 0
+    assert result["tokens"] == expected["0.0"]
+    metrics = damaged.metrics()
+    assert metrics["vllm:kvharbor_hit_chunks"] == metrics["vllm:kvharbor_loaded_chunks"] == 0
+    assert metrics["vllm:kvharbor_unverified_chunks"] == 3
+    assert "a stored chunk failed its read-back" in damaged.log
+
+    healed = lab.run({"rounds": [[request(LONG)]]}).ok()
+    [result] = healed.requests().values()
+    assert result["cached"] == healed.rounds()[0]["external_hits"] == bound(len(LONG))
+    assert result["tokens"] == expected["0.0"]
+    assert healed.metrics()["vllm:kvharbor_loaded_chunks"] == 3

@@ -50,8 +50,11 @@ def new_key(rng: random.Random) -> bytes:
     return rng.randbytes(KEY_BYTES)
 
 
-def write_config(directory: Path, *, tiers: list[dict[str, Any]] | None = None, **gateway: Any) -> Path:
-    """A config of its own for one test: socket in ``directory``, a unique shm_name."""
+def write_config(
+    directory: Path, *, tiers: list[dict[str, Any]] | None = None, storage: dict[str, Any] | None = None, **gateway: Any
+) -> Path:
+    """A config of its own for one test: socket in ``directory``, a unique shm_name;
+    ``storage``: more settings of the storage section."""
     directory.mkdir(parents=True, exist_ok=True)
     section: dict[str, Any] = {
         "mode": "service",
@@ -65,7 +68,11 @@ def write_config(directory: Path, *, tiers: list[dict[str, Any]] | None = None, 
     section.update(gateway)
     document = {
         "gateway": section,
-        "storage": {"tiers": tiers or [{"name": "ram", "type": "ram", "capacity_gb": 0.25}], "probe": True},
+        "storage": {
+            "tiers": tiers or [{"name": "ram", "type": "ram", "capacity_gb": 0.25}],
+            "probe": True,
+            **(storage or {}),
+        },
     }
     path = directory / "kvharbor.yaml"
     path.write_text(yaml.safe_dump(document))

@@ -158,7 +158,7 @@ def test_the_gateway_checks_credentials_not_only_file_modes(
     link = CacheLink(gateway.config, "root-engine", switch=RankSwitch())
     with caplog.at_level(logging.ERROR, logger="kvharbor.connector"):
         assert not link.start()
-        assert link.lookup([b"k" * 16], 256) == 0
+        assert link.lookup([b"k" * 16], 256).hits == 0
     assert "ACCESS_DENIED" in link.off_reason
     (said,) = [r.message for r in caplog.records if "external KV cache turned off on this rank" in r.message]
     assert "gateway.access is owner-only" in said

@@ -105,7 +105,7 @@ def test_start_clean_keeps_or_empties_the_cache(lab: Lab, tmp_path: Path) -> Non
     kept = lab.gateway(config_path, "--start-clean=0").start()
     with closing_client(kept.client()) as client:
         assert client.lookup(keys) == 5
-        assert get_values(client, keys) == expected  # From the file tier: the RAM tier started empty.
+        assert get_values(client, keys) == expected  # The RAM tier started empty: from the file tier (or its refill).
     assert kept.stop() == 0
 
     kept_by_default = lab.gateway(config_path, "--start-clean 0").start()

@@ -24,8 +24,12 @@ messages = st.one_of(
     st.builds(p.Hello, u32.filter(lambda v: v != p.PROTOCOL_VERSION), text, u32, text, st.just(ConfigDigest(()))),
     st.builds(p.HelloOk, u32, text, text, u64, u64, u32),
     st.builds(p.Error, st.sampled_from(ErrorCode), text),
-    st.builds(p.Lookup, u32, key_lists),
-    st.builds(p.LookupOk, u32),
+    st.builds(p.Lookup, u32, key_lists, u64),
+    u32.flatmap(lambda hits: st.builds(p.LookupOk, st.just(hits), st.integers(0, hits))),
+    st.builds(p.Verify, u64, st.lists(st.tuples(keys, keys), max_size=40)),
+    st.builds(p.VerifyOk, u32),
+    st.builds(p.Drop, key_lists),
+    st.builds(p.Dropped, u32),
     st.builds(p.PutPrepare, keys, st.lists(st.tuples(keys, u64), max_size=40)),
     st.builds(p.PutReady, u64, st.lists(u64, max_size=40), u64),
     st.builds(p.PutCommit, u64, st.lists(u64, max_size=40)),
@@ -116,6 +120,12 @@ def test_long_text_is_cut_on_a_character_boundary() -> None:
     _, decoded = p.decode(p.encode(message, 1))
     assert isinstance(decoded, p.Error)
     assert decoded.text == "é" * (p.TEXT_BYTES_MAX // 2)
+
+
+def test_more_resident_than_hits_is_malformed() -> None:
+    body = (2).to_bytes(4, "little") + (3).to_bytes(4, "little")
+    with pytest.raises(ProtocolError, match="3 resident of 2 hits"):
+        p.decode_body(p.MessageType.LOOKUP_OK, body)
 
 
 def test_frame_larger_than_the_limit_is_too_large() -> None:

@@ -5,11 +5,12 @@ socket in a temporary directory, a unique shared-memory name, a small ring, a
 RAM tier) serving on a thread; connector links reach it through the real
 client, over the real socket and shared memory. Tests look inside it through
 another real client (`hold`, `holds`) or its `status()`, and make it fail for
-real with `stop()`.
+real with `stop()`, or for one client with `hang_up`.
 """
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -96,6 +97,16 @@ class RealGateway:
             return client.lookup([bytes(k) for k in keys])
         finally:
             client.close()
+
+    def hang_up(self, client_name: str) -> int:
+        """Hang up, from the gateway's side, on the clients whose name contains ``client_name``
+        (what a gateway does to a client it has given up on); returns how many."""
+        assert self.server is not None, "not serving"
+        with self.server._clients_lock:
+            connections = [c for c, _ in self.server._clients.values() if client_name in c.peer]
+        for connection in connections:
+            connection.sock.shutdown(socket.SHUT_RDWR)
+        return len(connections)
 
     # -- what it saw -------------------------------------------------------
 

@@ -11,6 +11,8 @@ the workers.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ from unittest import mock
 
 import torch
 from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.engine.arg_utils import EngineArgs
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
@@ -25,7 +28,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
@@ -33,6 +36,7 @@ import kvharbor.connector.vllm.connector as connector_module
 from kvharbor.connector.link import CacheLink, RankSwitch
 from kvharbor.connector.vllm.metadata import KVHarborMetadata
 from kvharbor.connector.vllm.scheduler import SchedulerSide
+from tests.gateway.gateway_harness import WAIT_S
 from tests.support.real_gateway import RealGateway
 
 BLOCK = 128
@@ -113,6 +117,9 @@ class SchedulerRig:
         self.side = side
         side.planner = None  # Always load: the load-or-recompute choice has its own tests.
         self.requests: dict[str, Request] = {}
+        self.failed_loads: set[str] = set()
+        """Requests a worker reported load errors for: their chunks are planned for saving
+        again (the gateway skips those still stored); any other second save is a bug."""
         init_none_hash(sha256)
         self._hasher = get_request_block_hasher(BLOCK, sha256)
 
@@ -123,6 +130,11 @@ class SchedulerRig:
     def keys(self, tokens: list[int], salt: str | None = None) -> list[bytes]:
         """Rank 0's chunk keys of ``tokens``, as the connector computes them."""
         return [bytes(k) for k in self.layout.keys(tokens, salt)[0]]
+
+    def hold(self, keys: list[bytes]) -> int:
+        """Store chunks under ``keys`` as a worker of this layout would: values of its chunk
+        size, under its fingerprint; returns how many were stored (see `RealGateway.hold`)."""
+        return self.gateway.hold(keys, bytes(self.layout.chunk_bytes), fingerprint=self.layout.digests[0])
 
     def request(self, req_id: str, tokens: list[int], max_tokens: int = 4, salt: str | None = None) -> Request:
         return Request(
@@ -140,13 +152,23 @@ class SchedulerRig:
         self.scheduler.add_request(request)
         return request
 
-    def step(self) -> Step:
+    def step(
+        self,
+        load_errors: Callable[[KVHarborMetadata], set[int]] | None = None,
+        workers: Callable[[KVHarborMetadata], list[KVConnectorOutput]] | None = None,
+    ) -> Step:
+        """One step; ``load_errors(meta)``: the blocks of the step's loads the worker then
+        reports it could not load; ``workers(meta)``: what each worker's connector reports in
+        it instead (nothing by default), combined as vLLM's executor combines them
+        (`KVOutputAggregator`)."""
         output = self.scheduler.schedule()
         meta = output.kv_connector_metadata
         assert isinstance(meta, KVHarborMetadata)
+        failed = load_errors(meta) if load_errors is not None else set()
         for save in meta.saves if self.gateway.serving else []:  # The worker's part: the chunks land.
             keys = [bytes(key) for key in save.keys[0]]
-            assert self.gateway.hold(keys, b"saved") == len(keys), "a chunk is saved a second time"
+            stored = self.hold(keys)
+            assert stored == len(keys) or save.request_id in self.failed_loads, "a chunk is saved a second time"
         req_ids = list(output.num_scheduled_tokens)
         sampled = []
         for req_id in req_ids:
@@ -157,7 +179,16 @@ class SchedulerRig:
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled,
+            kv_connector_output=KVConnectorOutput(invalid_block_ids=failed) if failed else None,
         )
+        if workers is not None:
+            reports = workers(meta)
+            per_worker = [dataclasses.replace(runner, kv_connector_output=report) for report in reports]
+            combined = KVOutputAggregator(len(reports)).aggregate(list(per_worker))
+            assert combined is not None
+            runner = combined
+        reported = runner.kv_connector_output.invalid_block_ids if runner.kv_connector_output else set()
+        self.failed_loads.update(load.request_id for load in meta.loads if reported & set(load.block_ids))
         finished = []
         stats: dict[str, float] = {}
         for outputs in self.scheduler.update_from_output(output, runner).values():
@@ -181,3 +212,9 @@ class SchedulerRig:
 
     def block_ids(self, req_id: str) -> list[int]:
         return list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
+
+    def wait_read_back(self, req_id: str) -> None:
+        """Wait (bounded) for the read-back of ``req_id``'s stored chunks to finish."""
+        job = self.side._requests[req_id].verification
+        assert job is not None, f"{req_id}: no read-back was started"
+        assert job.done.wait(WAIT_S), f"{req_id}: read-back not finished within {WAIT_S} s"

@@ -126,8 +126,11 @@ class FakeLink:
         self.hits = hits
         self.is_off = False
 
-    def lookup(self, keys: Any, chunk_tokens: int) -> int:
-        return min(self.hits, len(keys))
+    def lookup(self, keys: Any, chunk_tokens: int, value_bytes: int = 0) -> Any:
+        from kvharbor.gateway.protocol import LookupOk
+
+        hits = min(self.hits, len(keys))
+        return LookupOk(hits, hits)  # All in RAM: promised as they are.
 
 
 def scheduler(hits: int, plan: LoadPlanner | None) -> Any:

@@ -101,6 +101,7 @@ def _tiers(*tiers: dict[str, Any]) -> dict[str, Any]:
         pytest.param({"engine": {"chunk_sise": 256}}, ["engine.chunk_sise", "not permitted"], id="unknown key"),
         pytest.param({"engine": {"chunk_size": "big"}}, ["engine.chunk_size", "'big'"], id="wrong type"),
         pytest.param({"gateway": {"mode": "sidecar"}}, ["gateway.mode", "'sidecar'"], id="bad choice"),
+        pytest.param({"engine": {"verify_wait_ms": -1}}, ["engine.verify_wait_ms", "greater than"], id="negative wait"),
         pytest.param({"engine": {"load_batch_mb": 0}}, ["engine.load_batch_mb", "greater than 0"], id="no load batch"),
         pytest.param(
             {"engine": {"save_staging_wait_ms": -1}},
@@ -123,6 +124,14 @@ def _tiers(*tiers: dict[str, Any]) -> dict[str, Any]:
         pytest.param({"gateway": {"linger_s": -1}}, ["gateway.linger_s", "greater than or equal"], id="linger < 0"),
         pytest.param({"gateway": {"linger_s": "abc"}}, ["gateway.linger_s", "'abc'"], id="linger not a number"),
         pytest.param({"gateway": {"linger_s": "nan"}}, ["gateway.linger_s", "finite"], id="linger nan"),
+        pytest.param(
+            {"storage": {"refill_ram_mb_per_s": 0}},
+            ["storage.refill_ram_mb_per_s", "greater than 0"],
+            id="refill pace 0",
+        ),
+        pytest.param(
+            {"storage": {"refill_ram": "sometimes"}}, ["storage.refill_ram", "'sometimes'"], id="refill not a bool"
+        ),
         pytest.param(
             {"gateway": {"ring_mb": 32, "ring_mb_min": 64}},
             ["gateway.ring_mb", "gateway.ring_mb_min"],

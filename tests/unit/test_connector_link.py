@@ -8,7 +8,7 @@ import pytest
 
 from kvharbor.connector.link import CacheLink, RankSwitch
 from kvharbor.gateway.client import GatewayRefused
-from kvharbor.gateway.protocol import ErrorCode
+from kvharbor.gateway.protocol import ErrorCode, LookupOk
 from tests.support.real_gateway import RealGateway
 
 OFF = "external KV cache turned off on this rank"
@@ -27,10 +27,10 @@ def test_one_links_failure_turns_off_every_link_of_the_rank_and_says_so_once(
     gateway = real_gateway
     gateway.hold(KEYS)
     load, save = links(gateway)
-    assert load.lookup(KEYS, 256) == 3 and save.start()
+    assert load.lookup(KEYS, 256).hits == 3 and save.start()
     gateway.stop()
     with caplog.at_level(logging.ERROR, "kvharbor"):
-        assert load.lookup(KEYS, 256) == 0  # A miss, not an exception.
+        assert load.lookup(KEYS, 256).hits == 0  # A miss, not an exception.
         assert save.store(b"f" * 16, [(KEYS[0], 8)], lambda i, view: None) == 0
     assert load.is_off and save.is_off
     assert caplog.text.count(OFF) == 1
@@ -38,7 +38,7 @@ def test_one_links_failure_turns_off_every_link_of_the_rank_and_says_so_once(
     # From now on every call answers at once, without touching the gateway, even one serving again.
     gateway.start()
     connects = gateway.connects
-    assert load.lookup(KEYS, 256) == 0 and load.load(b"f" * 16, KEYS, lambda i, v: None) == 0
+    assert load.lookup(KEYS, 256).hits == 0 and load.load(b"f" * 16, KEYS, lambda i, v: None) == 0
     assert gateway.connects == connects and save.counters.off == 1
 
 
@@ -54,15 +54,15 @@ def test_a_refusal_costs_only_that_request(real_gateway: RealGateway, caplog: py
     [link] = links(real_gateway, 1)
     link.start()
 
-    def refuse(*args: object) -> int:
+    def refuse(*args: object) -> LookupOk:
         raise GatewayRefused(ErrorCode.BUSY, "ring full")
 
     client = link._client
     assert client is not None
-    client.lookup = refuse  # type: ignore[method-assign]
+    client.probe = refuse  # type: ignore[method-assign]
     with caplog.at_level(logging.WARNING, "kvharbor"):
-        assert link.lookup(KEYS, 256) == 0
-        assert link.lookup(KEYS, 256) == 0
+        assert link.lookup(KEYS, 256).hits == 0
+        assert link.lookup(KEYS, 256).hits == 0
     assert not link.is_off
     assert link.counters.refused == 2
     assert caplog.text.count("gateway refused a request") == 1

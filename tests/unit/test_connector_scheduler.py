@@ -8,10 +8,15 @@ and preemption; only the model is a stand-in; the gateway is real.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
+from vllm.v1.outputs import KVConnectorOutput
 
+from kvharbor.connector.vllm.metadata import KVHarborMetadata
+from kvharbor.connector.vllm.stats import KVHarborStats, empty
 from tests.support.real_gateway import RealGateway
 from tests.support.vllm_rig import BLOCK, SchedulerRig
 
@@ -39,7 +44,7 @@ def rig(tiny_model: Path, real_gateway: RealGateway) -> SchedulerRig:
 @pytest.mark.parametrize("n", [100, 255, 256, 257, 383, 384, 385, 1001, 1024, 1025])
 def test_a_full_store_offers_exactly_the_bound(rig: SchedulerRig, n: int) -> None:
     tokens = prompt(n, seed=n)
-    rig.gateway.hold(rig.keys(tokens))
+    rig.hold(rig.keys(tokens))
     matched, asynchronous = rig.side.get_num_new_matched_tokens(rig.request("r", tokens), 0)
     assert (matched, asynchronous) == (bound(n), False)
     # vLLM may ask again (a request that could not be admitted): same answer, nothing else changes.
@@ -70,7 +75,7 @@ def test_a_miss_saves_each_chunk_once_across_chunked_prefill(tiny_model: Path, r
 
 def test_a_restart_hit_loads_up_to_the_bound_and_saves_nothing_stored(rig: SchedulerRig) -> None:
     tokens = prompt(1024)
-    rig.gateway.hold(rig.keys(tokens))
+    rig.hold(rig.keys(tokens))
     rig.add("r", tokens)
     steps = rig.run()
 
@@ -89,7 +94,7 @@ def test_a_restart_hit_loads_up_to_the_bound_and_saves_nothing_stored(rig: Sched
 def test_a_partial_store_loads_what_it_has_and_saves_the_rest(rig: SchedulerRig) -> None:
     tokens = prompt(1001)
     keys = rig.keys(tokens)
-    rig.gateway.hold(keys[:2])
+    rig.hold(keys[:2])
     rig.add("r", tokens)
     steps = rig.run()
 
@@ -103,7 +108,7 @@ def test_a_load_starts_where_vllms_own_prefix_cache_ends(rig: SchedulerRig) -> N
     full = prompt(1024, seed=1)
     rig.add("partial", full[:400] + prompt(100, seed=2))
     rig.run()  # Its blocks stay in vLLM's prefix cache: 3 full blocks of `full`.
-    rig.gateway.hold(rig.keys(full))
+    rig.hold(rig.keys(full))
     local = rig.scheduler.kv_cache_manager.get_computed_blocks(rig.request("probe", full))[1]
     assert local == 3 * BLOCK
 
@@ -128,7 +133,7 @@ def test_a_salt_changes_every_key_and_a_required_salt_skips_the_rest(
     assert set(rig.keys(tokens, "tenantA")).isdisjoint(rig.keys(tokens, "tenantB"))
     assert set(rig.keys(tokens, "tenantA")).isdisjoint(rig.keys(tokens))
 
-    rig.gateway.hold(rig.keys(tokens))
+    rig.hold(rig.keys(tokens))
     rig.add("unsalted", tokens)
     rig.add("salted", tokens, salt="tenantA")
     steps = rig.run()
@@ -170,7 +175,7 @@ def test_a_preempted_request_resumes_from_its_saved_chunks(tiny_model: Path, rea
 
 def test_a_dead_gateway_is_a_miss_not_an_error(rig: SchedulerRig) -> None:
     tokens = prompt(1001)
-    rig.gateway.hold(rig.keys(tokens))
+    rig.hold(rig.keys(tokens))
     rig.gateway.stop()
     rig.add("r", tokens)
     steps = rig.run()
@@ -179,9 +184,65 @@ def test_a_dead_gateway_is_a_miss_not_an_error(rig: SchedulerRig) -> None:
     assert steps[-1].stats["cache_off"] == 1
 
 
+def worker_reports(
+    load_errors: Callable[[KVHarborMetadata], list[set[int]]] = lambda meta: [set(), set()],
+    cache_off: tuple[int, int] = (0, 0),
+) -> Callable[[KVHarborMetadata], list[Any]]:
+    """What each of two workers' connectors reports in a step (vLLM's `KVConnectorOutput`)."""
+
+    def reports(meta: KVHarborMetadata) -> list[Any]:
+        return [
+            KVConnectorOutput(invalid_block_ids=e, kv_connector_stats=KVHarborStats(data={**empty(), "cache_off": o}))
+            for e, o in zip(load_errors(meta), cache_off, strict=True)
+        ]
+
+    return reports
+
+
+def test_a_block_one_rank_could_not_restore_is_recomputed_on_every_rank(rig: SchedulerRig) -> None:
+    # What tensor parallelism relies on, checked against the installed vLLM: the executor
+    # unions the workers' load errors, and the scheduler recomputes from the first one (for
+    # every rank: they all run the step it schedules).
+    tokens = prompt(1001)
+    rig.hold(rig.keys(tokens))
+    rig.add("r", tokens)
+    # Rank 0 restored all 3 chunks, rank 1 only chunk 0.
+    first = rig.step(workers=worker_reports(lambda meta: [set(), set(meta.loads[0].block_ids[2:])]))
+    [load] = first.meta.loads
+    assert first.new_request("r").num_computed_tokens == 768 and len(load.block_ids) == 6
+    assert rig.requests["r"].num_output_tokens == 0  # The step's sampled token is discarded ...
+    again = rig.step()
+    cached = again.output.scheduled_cached_reqs
+    assert cached.req_ids == ["r"] and cached.num_computed_tokens == [256]  # ... and chunk 1 on is recomputed.
+    assert again.scheduled("r") == 1001 - 256
+    assert not again.meta.loads
+
+
+def test_a_worker_reporting_the_cache_off_stops_restores_and_marks_one_step(rig: SchedulerRig) -> None:
+    stored, later = prompt(1001, seed=1), prompt(1001, seed=2)
+    rig.hold(rig.keys(stored) + rig.keys(later))
+    rig.add("a", stored)
+    assert rig.step(workers=worker_reports(cache_off=(0, 1))).meta.loads  # Planned before any worker was off.
+    rig.add("b", later)
+    marked = rig.step()
+    assert marked.meta.cache_off == "a worker reported it off"
+    assert marked.new_request("b").num_computed_tokens == 0 and not marked.meta.loads  # Recomputed, not restored.
+    steps = rig.run()
+    assert all(not s.meta.cache_off and not s.meta.loads for s in steps)  # Marked once.
+
+
+def test_the_schedulers_own_failure_marks_one_step_too(rig: SchedulerRig) -> None:
+    tokens = prompt(600)
+    rig.gateway.stop()
+    rig.add("r", tokens)
+    first = rig.step()
+    assert first.meta.cache_off.startswith("the scheduler's gateway link failed (")
+    assert all(not s.meta.cache_off for s in rig.run())
+
+
 def test_a_salt_that_is_not_a_string_is_a_counted_skip(rig: SchedulerRig) -> None:
     tokens = prompt(600)
-    rig.gateway.hold(rig.keys(tokens))
+    rig.hold(rig.keys(tokens))
     request = rig.request("r", tokens)
     request.cache_salt = 42  # type: ignore[assignment]  # What a front end might pass through.
     assert rig.side.get_num_new_matched_tokens(request, 0) == (0, False)

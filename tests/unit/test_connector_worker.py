@@ -115,6 +115,24 @@ def test_blocks_the_cache_cannot_deliver_are_reported_for_recompute(real_gateway
     assert side.take_stats()["load_errors"] == 2
 
 
+def test_a_request_whose_load_falls_short_stores_nothing_of_that_step(real_gateway: RealGateway) -> None:
+    gateway = real_gateway
+    saved(gateway, caches(seed=5))
+    side = worker(gateway, caches(seed=None))
+    later, other = bytes([4]) * 16, bytes([5]) * 16
+    # Request r's load stops at its second chunk; the step also completes r's next chunk,
+    # computed over the blocks that did not load, and a chunk of another request.
+    meta = KVHarborMetadata(
+        loads=[transfer([K0, MISSING], [5, 6, 7, 8])],
+        saves=[transfer([later], [9, 10]), ChunkTransfer(request_id="other", keys=[[other]], block_ids=[11, 12])],
+    )
+    side.load(meta)
+    side.save(meta)
+    side.close()  # Waits for the background commit.
+    assert gateway.holds([other]) == 1
+    assert gateway.holds([later]) == 0  # Its KV is wrong: recomputed by vLLM, saved then.
+
+
 def test_a_value_of_another_size_is_never_copied_in(real_gateway: RealGateway) -> None:
     gateway, target = real_gateway, caches(seed=None)
     gateway.hold([K0], b"\x7f" * 1000, fingerprint=layout().digests[0])  # The worker's own fingerprint.

@@ -29,6 +29,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 from kvharbor.config import ConfigError
 from kvharbor.connector.link import CacheLink
+from kvharbor.connector.ranks import RankAgreement, RankGroup, SoleRank, TorchRankGroup
+from kvharbor.connector.verifier import Verifier
 from kvharbor.connector.vllm.costs import load_planner
 from kvharbor.connector.vllm.layout import ConnectorRefusal, build_layout
 from kvharbor.connector.vllm.metadata import KVHarborMetadata
@@ -64,8 +66,13 @@ class KVHarborConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._insist_on_recompute(transfer)
-            link = CacheLink(self.config, f"vllm-scheduler pid {os.getpid()}")
-            self._scheduler = SchedulerSide(self.layout, self.config, link, load_planner(vllm_config, self.layout))
+            name = f"vllm-scheduler pid {os.getpid()}"
+            link = CacheLink(self.config, name)
+            # Its own connection: a long read-back must not hold up the lookups of other requests.
+            verifier = Verifier(CacheLink(self.config, name + " verify"), self.layout.digests, self.layout.chunk_bytes)
+            self._scheduler = SchedulerSide(
+                self.layout, self.config, link, load_planner(vllm_config, self.layout), verifier
+            )
             link.start()  # Connect now, as the workers do: not in the first request's path.
             _log.info(
                 "kvharbor: connector on (scheduler): chunk %d tokens = %d blocks, %d rank(s), namespace %s",
@@ -75,9 +82,10 @@ class KVHarborConnector(KVConnectorBase_V1):
         else:
             rank = self.layout.rank_index(*_worker_ranks())
             name = f"vllm-worker rank {rank} pid {os.getpid()}"
+            load_link = CacheLink(self.config, name + " load")
             self._worker = WorkerSide(
-                self.layout, self.config, CacheLink(self.config, name + " load"),
-                CacheLink(self.config, name + " save"), rank,
+                self.layout, self.config, load_link, CacheLink(self.config, name + " save"), rank,
+                RankAgreement(_tensor_parallel_group(), load_link.switch),
             )  # fmt: skip
 
     @staticmethod
@@ -126,6 +134,7 @@ class KVHarborConnector(KVConnectorBase_V1):
         """The workers' stats of a step: what the load-or-recompute choice learns from."""
         if self._scheduler is not None:
             self._scheduler.observe(getattr(connector_output, "kv_connector_stats", None))
+            self._scheduler.observe_load_errors(getattr(connector_output, "invalid_block_ids", None) or set())
 
     # -- worker role -------------------------------------------------------------
 
@@ -197,7 +206,7 @@ class KVHarborConnector(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.close()
         if self._scheduler is not None:
-            self._scheduler.link.close()
+            self._scheduler.close()
 
 
 def _worker_ranks() -> tuple[int, int]:
@@ -206,3 +215,11 @@ def _worker_ranks() -> tuple[int, int]:
     from vllm.distributed.parallel_state import get_pp_group
 
     return get_tensor_model_parallel_rank(), get_pp_group().rank_in_group
+
+
+def _tensor_parallel_group() -> RankGroup:
+    """The ranks this worker agrees with each step: its tensor-parallel group, on the CPU."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group()
+    return SoleRank() if group.world_size == 1 else TorchRankGroup(group.cpu_group)

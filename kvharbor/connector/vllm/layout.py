@@ -110,6 +110,14 @@ class VllmLayout:
     def ranks(self) -> int:
         return self.tp_size * self.pp_size
 
+    @property
+    def chunk_bytes(self) -> int:
+        """The bytes of one rank's value of a chunk (`pages`: every layer's pages of its
+        blocks); 0 where ranks differ (pipeline stages may hold different layer counts)."""
+        if self.pp_size != 1:
+            return 0
+        return sum(len(g.layer_names) * g.page_bytes for g in self.groups) * self.blocks_per_chunk
+
     def rank_index(self, tp_rank: int, pp_rank: int) -> int:
         assert 0 <= tp_rank < self.tp_size and 0 <= pp_rank < self.pp_size
         return pp_rank * self.tp_size + tp_rank

@@ -47,3 +47,8 @@ class KVHarborMetadata(KVConnectorMetadata):
     step_flops: float = 0.0
     """Prefill FLOPs of this step when it loads nothing (0: not a prefill sample);
     workers time the forward pass and report FLOPs per second back."""
+    cache_off: str = ""
+    """Set in one step, the first the scheduler builds after it learned that the
+    external cache is off somewhere (a worker's stats, or its own link): why.
+    Every worker then turns its own off in this step, together
+    (`kvharbor.connector.ranks`)."""

@@ -2,16 +2,21 @@
 
 Per request it computes the chunk keys once (for every rank), asks the gateway
 how many leading chunks *all* ranks hold (one batched lookup with the ranks'
-keys interleaved), and plans:
+keys interleaved), and promises only chunks known intact: those in a
+shared-memory RAM tier at once, the others once read back (`verifier`; vLLM
+is told "not known yet" meanwhile and asks again the next step). What vLLM is
+told is cached is what is restored. It plans:
 
 - a load of the stored chunks past vLLM's own prefix-cache hit, bounded by
   floor(N / chunk_size) x chunk_size and stopped one token short of the
   prompt, because vLLM must compute the last prompt position itself;
-- a save of each prompt chunk the step completes, once.
+- a save of each prompt chunk the step completes, once; a chunk that failed
+  its read-back, or its load, is saved again from the recomputed KV.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -19,6 +24,7 @@ from kvharbor.cache.bandwidth import PREFILL_SAMPLE_FLOPS_MIN, LoadPlanner
 from kvharbor.cache.keys import ChunkKey
 from kvharbor.config import Config
 from kvharbor.connector.link import CacheLink
+from kvharbor.connector.verifier import Verification, Verifier
 from kvharbor.connector.vllm.layout import VllmLayout
 from kvharbor.connector.vllm.metadata import ChunkTransfer, KVHarborMetadata
 from kvharbor.connector.vllm.stats import empty
@@ -38,6 +44,12 @@ class _Request:
     local_tokens: int = 0
     """vLLM's own prefix-cache hit at the last admission question: a load starts there."""
     load: ChunkTransfer | None = None
+    load_first_chunk: int = 0
+    """The chunk ``load`` starts in."""
+    resident_chunks: int = 0
+    """Leading stored chunks in a shared-memory RAM tier at the last lookup."""
+    verification: Verification | None = None
+    """The read-back of its stored chunks outside RAM, once one was needed."""
 
 
 @dataclass(slots=True)
@@ -48,7 +60,12 @@ class SchedulerCounters:
     lookup_chunks: int = 0
     """Full prompt chunks asked for."""
     hit_chunks: int = 0
-    """Of those, the leading chunks the gateway holds."""
+    """Of those, the leading chunks promised: stored, and resident in RAM or read back intact."""
+    verified_chunks: int = 0
+    """Stored chunks outside RAM read back intact before they were promised."""
+    unverified_chunks: int = 0
+    """Stored chunks not promised: damaged, of the wrong size, or not read back within
+    engine.verify_wait_ms; recomputed."""
     unsalted_skipped: int = 0
     """Requests neither looked up nor stored because require_cache_salt is on and they had no salt."""
     bad_salt_skipped: int = 0
@@ -62,15 +79,28 @@ class SchedulerCounters:
 
 
 class SchedulerSide:
-    def __init__(self, layout: VllmLayout, config: Config, link: CacheLink, planner: LoadPlanner | None = None) -> None:
+    def __init__(
+        self,
+        layout: VllmLayout,
+        config: Config,
+        link: CacheLink,
+        planner: LoadPlanner | None = None,
+        verifier: Verifier | None = None,
+    ) -> None:
         self.layout = layout
         self.config = config
         self.link = link
+        self.verifier = verifier
+        """Reads back stored chunks outside RAM before they are promised; None: such
+        chunks are never promised (recomputed)."""
         self.planner = planner
         """Load or recompute (`kvharbor.cache.bandwidth`); None: always load."""
-        self._workers_off = False
         self.saves_pending = False
         """The workers' last report had saves not yet counted (`worker` says why it matters)."""
+        self._off_reason = ""
+        """Why the external cache is off somewhere ("": on); no restore is planned then."""
+        self._off_sent = False
+        """`_off_reason` went to the workers in a step's metadata (once is enough)."""
         self._chose_recompute: set[str] = set()
         self.counters = SchedulerCounters()
         self._requests: dict[str, _Request] = {}
@@ -82,27 +112,85 @@ class SchedulerSide:
 
     # -- admission ---------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        """External tokens loadable past ``num_computed_tokens``; loads are synchronous."""
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """External tokens loadable past ``num_computed_tokens`` (loads are synchronous), or
+        None while stored chunks are being read back (vLLM asks again the next step)."""
         state = self._request(request)
         if state is None or not state.keys[0]:
             return 0, False
-        ranks = self.layout.ranks
-        interleaved = [state.keys[r][i] for i in range(len(state.keys[0])) for r in range(ranks)]
-        hit_chunks = self.link.lookup(interleaved, self.layout.chunk_size // ranks or 1) // ranks
-        self.counters.lookups += 1
-        self.counters.lookup_chunks += len(state.keys[0])
-        self.counters.hit_chunks += hit_chunks
-        state.saved_chunks = max(state.saved_chunks, hit_chunks)  # Stored already: never re-save.
+        hit_chunks = self._promised_chunks(request.request_id, state, request.num_tokens, num_computed_tokens)
+        if hit_chunks is None:
+            return None, False
+        state.saved_chunks = max(state.saved_chunks, hit_chunks)  # Stored intact already: never re-save.
         # vLLM sets request.num_computed_tokens only after `update_state_after_alloc`,
         # so remember where the local hit ends for the load plan made there.
         state.local_tokens = num_computed_tokens
-        block = self.layout.block_size
-        end = min(hit_chunks * self.layout.chunk_size, ((request.num_tokens - 1) // block) * block)
+        end = self._hit_end(hit_chunks, request.num_tokens)
         assert end <= self.layout.max_hit_tokens(request.num_tokens)
         if end > num_computed_tokens and not self._worth_loading(request.request_id, num_computed_tokens, end):
             return 0, False
         return max(0, end - num_computed_tokens), False
+
+    def _promised_chunks(self, req_id: str, state: _Request, num_tokens: int, num_computed_tokens: int) -> int | None:
+        """The leading chunks to promise: stored, and resident or read back intact; None
+        while a read-back is under way. At most one read-back per request."""
+        size = self.layout.chunk_size
+        job = state.verification
+        if job is not None:
+            promised = self._settled_chunks(job)
+            if promised is None or num_computed_tokens >= job.first * size:
+                return promised
+            return state.resident_chunks  # vLLM's own hit shrank below what was read back.
+        ranks = self.layout.ranks
+        interleaved = [state.keys[r][i] for i in range(len(state.keys[0])) for r in range(ranks)]
+        found = self.link.lookup(interleaved, size // ranks or 1, self.layout.chunk_bytes)
+        self.counters.lookups += 1
+        self.counters.lookup_chunks += len(state.keys[0])
+        hits, resident = found.hits // ranks, found.resident // ranks
+        state.resident_chunks = resident
+        # Chunks vLLM holds itself are not loaded: reading them back would be wasted.
+        first = max(resident, num_computed_tokens // size)
+        hit_end = self._hit_end(hits, num_tokens)
+        end = -(-hit_end // size)  # The chunks a load of them would touch.
+        if end <= first or not self._worth_loading(req_id, num_computed_tokens, hit_end):
+            self.counters.hit_chunks += hits
+            return hits
+        wait_s = self.config.engine.verify_wait_ms / 1000
+        if self.verifier is None or wait_s <= 0:
+            self.counters.hit_chunks += first
+            self.counters.unverified_chunks += end - first
+            return first
+        state.verification = self.verifier.submit(state.keys, first, end, hits, wait_s)
+        return None
+
+    def _settled_chunks(self, job: Verification) -> int | None:
+        """A read-back's promise once it is settled (counted then, once); None before."""
+        if job.settled:
+            return job.good_chunks
+        if not job.settle(time.monotonic()):
+            return None
+        self.counters.hit_chunks += job.good_chunks
+        self.counters.verified_chunks += job.verified
+        self.counters.unverified_chunks += job.end - job.good_chunks
+        if job.failed:
+            self._once.say(
+                "read-back",
+                "a stored chunk failed its read-back (damaged or of the wrong size): it is recomputed and stored "
+                "again, never loaded (said once; counted in unverified_chunks)",
+            )
+        elif job.good_chunks < job.end:
+            self._once.say(
+                "read-back-late",
+                f"stored chunks were not read back within engine.verify_wait_ms {self.config.engine.verify_wait_ms}: "
+                "recomputed, not restored (said once; counted in unverified_chunks)",
+            )
+        return job.good_chunks
+
+    def _hit_end(self, hit_chunks: int, num_tokens: int) -> int:
+        """Where a load of ``hit_chunks`` stored chunks ends: one token short of the prompt,
+        on a block boundary, so vLLM computes the last position itself."""
+        block = self.layout.block_size
+        return min(hit_chunks * self.layout.chunk_size, ((num_tokens - 1) // block) * block)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         state = self._requests.get(request.request_id)
@@ -127,7 +215,7 @@ class SchedulerSide:
                 else ()
             ),
         )
-        state.load = load
+        state.load, state.load_first_chunk = load, first_chunk
         self._loads.append(load)
 
     # -- each step ---------------------------------------------------------------
@@ -135,6 +223,10 @@ class SchedulerSide:
     def build_meta(self, scheduler_output: Any) -> KVHarborMetadata:
         meta = KVHarborMetadata(loads=self._loads)
         self._loads = []
+        if self.link.is_off and not self._off_reason:
+            self._off_reason = f"the scheduler's gateway link failed ({self.link.off_reason})"
+        if self._off_reason and not self._off_sent:
+            meta.cache_off, self._off_sent = self._off_reason, True
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
@@ -167,19 +259,45 @@ class SchedulerSide:
         # and only an empty report (nothing pending, nothing done) is left out: so this
         # turns false exactly when the last commit has been counted.
         self.saves_pending = bool(data.get("saves_pending"))
-        if data.get("cache_off") and not self._workers_off:
-            self._workers_off = True
-            self._once.say("workers-off", "the external KV cache is off on a worker: no more restores are planned")
+        if data.get("cache_off") and not self._off_reason:
+            self._off_reason = "a worker reported it off"
+            self._once.say(
+                "workers-off",
+                "the external KV cache is off on a worker: no more restores are planned, every rank turns it off",
+            )
         if self.planner is not None:
             self.planner.observe_load(data.get("loaded_bytes", 0), data.get("load_s", 0))
             self.planner.observe_prefill(data.get("prefill_flops", 0), data.get("prefill_s", 0))
 
+    def observe_load_errors(self, block_ids: set[int]) -> None:
+        """Blocks whose load failed after all (a chunk damaged or evicted since its promise):
+        vLLM recomputes from the first of them, and their chunks are saved again then."""
+        if not block_ids:
+            return
+        per_chunk = self.layout.blocks_per_chunk
+        for state in self._requests.values():
+            load = state.load
+            if load is None:
+                continue
+            failed = next((i for i, block in enumerate(load.block_ids) if block in block_ids), None)
+            if failed is not None:
+                chunk = state.load_first_chunk + (load.skip_blocks + failed) // per_chunk
+                state.saved_chunks = min(state.saved_chunks, chunk)
+                state.load = None
+
     def request_finished(self, request: Any) -> tuple[bool, None]:
         """Saves copy their blocks within the step, so blocks are never held back."""
-        self._requests.pop(request.request_id, None)
+        state = self._requests.pop(request.request_id, None)
+        if state is not None and state.verification is not None:
+            state.verification.settle(float("inf"))  # Aborted while read back: stop there.
         self._skipped.discard(request.request_id)
         self._chose_recompute.discard(request.request_id)
         return False, None
+
+    def close(self) -> None:
+        if self.verifier is not None:
+            self.verifier.close()
+        self.link.close()
 
     def take_stats(self) -> dict[str, float]:
         """What changed since the last call, in `stats` form; the cache state as it is now."""
@@ -196,7 +314,7 @@ class SchedulerSide:
     def _worth_loading(self, req_id: str, start: int, end: int) -> bool:
         """Load tokens ``start .. end`` rather than recompute them? (No side effects
         beyond counting a request once: vLLM may ask again.)"""
-        if self._workers_off:
+        if self._off_reason:
             return False
         planner = self.planner
         if planner is None:

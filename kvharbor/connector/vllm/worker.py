@@ -5,7 +5,11 @@ streamed from the gateway in requests of ``engine.load_batch_mb`` and copied
 straight from shared memory into the allocated blocks. A chunk that cannot be
 loaded (miss, corrupt, cache off, a load cut short because the rest would
 arrive slower than it recomputes) reports its blocks as load errors, and vLLM
-recomputes them: a failed load costs time, never a wrong token.
+recomputes them: a failed load costs time, never a wrong token. The
+tensor-parallel ranks agree on what each step restored
+(`kvharbor.connector.ranks`): they report the same load errors, and none
+saves the step's chunks of a request whose restore fell short on any rank
+(they were computed over blocks that were not restored).
 
 Saves take each completed chunk's pages before the step's blocks may be
 reused (gathered into device staging during the forward pass on a GPU; copied
@@ -64,12 +68,13 @@ import torch
 
 from kvharbor.cache.bandwidth import keep_loading
 from kvharbor.config import Config
-from kvharbor.connector.link import CacheLink
+from kvharbor.connector.link import CacheLink, say_off
+from kvharbor.connector.ranks import RankAgreement, SoleRank
 from kvharbor.connector.vllm.copier import PageCopy
 from kvharbor.connector.vllm.datapath import DataPath, SaveParts
 from kvharbor.connector.vllm.device_copy import DeviceCopy
 from kvharbor.connector.vllm.host_copy import HostCopy
-from kvharbor.connector.vllm.layout import VllmLayout
+from kvharbor.connector.vllm.layout import ConnectorRefusal, VllmLayout
 from kvharbor.connector.vllm.metadata import ChunkTransfer, KVHarborMetadata
 from kvharbor.connector.vllm.pinning import cuda_host_register
 from kvharbor.connector.vllm.stats import empty
@@ -92,14 +97,22 @@ class _SaveJob:
 
 class WorkerSide:
     def __init__(
-        self, layout: VllmLayout, config: Config, load_link: CacheLink, save_link: CacheLink, rank: int
+        self,
+        layout: VllmLayout,
+        config: Config,
+        load_link: CacheLink,
+        save_link: CacheLink,
+        rank: int,
+        ranks: RankAgreement | None = None,
     ) -> None:
+        """``ranks``: this rank's side of the tensor-parallel agreement (None: a group of one)."""
         self.layout = layout
         self.config = config
         self.rank = rank
         self.fingerprint = layout.digests[rank]
         self._load_link = load_link
         self._save_link = save_link
+        self._ranks = ranks if ranks is not None else RankAgreement(SoleRank(), load_link.switch)
         self._path: DataPath | None = None
         self._timer: StepTimer | None = None
         self._load_errors: set[int] = set()
@@ -122,6 +135,7 @@ class WorkerSide:
             copy = DeviceCopy(tensors, num_blocks, per_chunk, engine.load_batch_bytes, engine.save_staging_bytes_max)
         else:
             copy = HostCopy(tensors, num_blocks, per_chunk, engine.load_batch_bytes)
+        self._check_chunk_bytes(copy.chunk_bytes)
         _log.info(
             "kvharbor: %d %scache tensors registered (rank %d, page %d B, %.2f MiB per %d-token chunk; layout %s)",
             len(kv_caches), "GPU " if on_gpu else "", self.rank, copy.pages.page_bytes, copy.chunk_bytes / 2**20,
@@ -135,6 +149,17 @@ class WorkerSide:
         # Connect now: an embedded gateway starts here, not in the first request's path.
         if self._load_link.start() and self._save_link.start():
             self._path.map()
+
+    def _check_chunk_bytes(self, registered: int) -> None:
+        """The scheduler looks up values of `VllmLayout.chunk_bytes`: a worker whose chunks
+        had another size would find every one of them a miss."""
+        expected = self.layout.chunk_bytes
+        if expected and registered != expected:
+            raise ConnectorRefusal(
+                f"the registered KV cache holds {registered} bytes per chunk where the KV cache config says "
+                f"{expected} ({', '.join(g.descriptor for g in self.layout.groups)}); layers sharing a cache "
+                "are not supported"
+            )
 
     # -- steps --------------------------------------------------------------------------
 
@@ -159,15 +184,39 @@ class WorkerSide:
     # -- loads -------------------------------------------------------------------
 
     def load(self, meta: KVHarborMetadata) -> None:
-        path = self._path
-        if path is None or not meta.loads:
+        """Restore the step's planned chunks, as far as every rank could (`RankAgreement`).
+
+        Every rank reaches the agreement in the same steps (those with loads or
+        ``cache_off``), whatever its own state: the condition is the metadata's.
+        The step's saves of a request whose restore fell short are dropped from
+        ``meta.saves`` (this worker's copy: pickled to it, or, in the scheduler's
+        process, built for this step and not read again): their chunks are computed
+        over blocks that were not restored. vLLM recomputes them, and the scheduler
+        saves them then (`SchedulerSide.observe_load_errors`).
+        """
+        if not meta.loads and not meta.cache_off:
             return
         started = time.perf_counter()
-        for transfer in meta.loads:
-            loaded_blocks = path.load(transfer, self._load_cut(transfer, path.copy.chunk_bytes))
-            self._load_errors.update(transfer.block_ids[loaded_blocks:])
-            self._count(load_errors=len(transfer.block_ids) - loaded_blocks)
-        self._count(loads=1, load_s=time.perf_counter() - started, cache_off=int(self._load_link.is_off))
+        agreed = self._ranks.agree([self._restore(transfer) for transfer in meta.loads])
+        if meta.cache_off and self._ranks.switch.turn_off(meta.cache_off):
+            say_off(meta.cache_off)
+        short = set()
+        for transfer, blocks in zip(meta.loads, agreed, strict=True):
+            self._load_errors.update(transfer.block_ids[blocks:])
+            self._count(load_errors=len(transfer.block_ids) - blocks)
+            if blocks < len(transfer.block_ids):
+                short.add(transfer.request_id)
+        if short:
+            meta.saves = [save for save in meta.saves if save.request_id not in short]
+        if meta.loads:
+            self._count(loads=1, load_s=time.perf_counter() - started, cache_off=int(self._load_link.is_off))
+
+    def _restore(self, transfer: ChunkTransfer) -> int:
+        """This rank's restore of ``transfer``: how many of its leading blocks it filled."""
+        path = self._path
+        if path is None:
+            return 0
+        return path.load(transfer, self._load_cut(transfer, path.copy.chunk_bytes))
 
     def _load_cut(self, transfer: ChunkTransfer, chunk_bytes: int) -> Callable[[int], bool]:
         """The load-cut policy of one transfer: asked with the chunks restored so far, whether

@@ -1,0 +1,166 @@
+"""A promise is kept: vLLM is told a chunk is cached only once it is known intact.
+
+vLLM's real scheduler (tests/support/vllm_rig.py) against a real gateway: a
+RAM tier in shared memory (hits promised at once), or a file tier only, as
+after a restart (hits read back in full first, while vLLM is told "not known
+yet"). Damage is real: objects rewritten on disk with a flipped byte.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.damage import damage_file_objects
+from tests.support.real_gateway import RealGateway
+from tests.support.vllm_rig import BLOCK, SchedulerRig, Step
+
+CHUNK = 256
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(4, 4096) for _ in range(n)]
+
+
+def bound(n: int) -> int:
+    return min(n // CHUNK * CHUNK, (n - 1) // BLOCK * BLOCK)
+
+
+def saved_keys(steps: list[Step]) -> list[bytes]:
+    return [bytes(k) for step in steps for save in step.meta.saves for k in save.keys[0]]
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> Path:
+    return tmp_path / "files"
+
+
+@pytest.fixture
+def files_gateway(tmp_path: Path, files: Path) -> Iterator[RealGateway]:
+    """A gateway with a file tier only: what a restarted gateway without RAM holds."""
+    tier = {"name": "local", "type": "file", "path": str(files), "capacity_gb": 1}
+    gateway = RealGateway(tmp_path / "gateway", tiers=[tier]).start()
+    try:
+        yield gateway
+    finally:
+        gateway.close()
+
+
+def admit_after_read_back(rig: SchedulerRig, req_id: str, tokens: list[int]) -> list[Step]:
+    """Add a request whose stored chunks are on files: vLLM cannot schedule it until they are
+    read back (it asks again each step), then it runs to the end."""
+    rig.add(req_id, tokens)
+    waiting = rig.step()
+    assert waiting.scheduled(req_id) == 0 and waiting.new_request(req_id) is None
+    rig.wait_read_back(req_id)
+    return rig.run()
+
+
+def test_chunks_on_files_are_promised_once_read_back(tiny_model: Path, files_gateway: RealGateway) -> None:
+    rig = SchedulerRig(tiny_model, gateway=files_gateway)
+    tokens = prompt(1001)
+    rig.hold(rig.keys(tokens))
+
+    steps = admit_after_read_back(rig, "r", tokens)
+
+    assert steps[0].new_request("r").num_computed_tokens == bound(1001) == 768
+    [load] = steps[0].meta.loads
+    assert [bytes(k) for k in load.keys[0]] == rig.keys(tokens)
+    assert saved_keys(steps) == []
+    counters = rig.side.counters
+    assert (counters.hit_chunks, counters.verified_chunks, counters.unverified_chunks) == (3, 3, 0)
+    assert rig.gateway.lookups == 1  # vLLM asked twice; one lookup, one read-back.
+
+
+def test_a_store_damaged_on_disk_is_not_promised_and_is_stored_again_at_once(
+    tiny_model: Path, files_gateway: RealGateway, files: Path
+) -> None:
+    rig = SchedulerRig(tiny_model, gateway=files_gateway, prefix_caching=False)
+    tokens = prompt(1024)
+    keys = rig.keys(tokens)
+    rig.hold(keys)
+    assert damage_file_objects(files) == 4
+
+    steps = admit_after_read_back(rig, "r", tokens)
+
+    # Nothing promised: vLLM computes the whole prompt and reports nothing cached.
+    assert steps[0].new_request("r").num_computed_tokens == 0
+    assert all(not s.meta.loads for s in steps)
+    # The first chunk failed its read-back; it and the three behind it were dropped, so
+    # every chunk is stored again from the recomputed KV (the rig's worker checks each
+    # lands as a new value).
+    assert saved_keys(steps) == keys
+    counters = rig.side.counters
+    assert (counters.hit_chunks, counters.verified_chunks, counters.unverified_chunks) == (0, 0, 4)
+
+    # Healed: the next request of the prompt is read back intact and restored to the bound.
+    steps = admit_after_read_back(rig, "again", tokens)
+    assert steps[0].new_request("again").num_computed_tokens == bound(1024)
+    assert saved_keys(steps) == []
+
+
+def test_a_chunk_damaged_mid_prompt_ends_the_promise_there(
+    tiny_model: Path, files_gateway: RealGateway, files: Path
+) -> None:
+    rig = SchedulerRig(tiny_model, gateway=files_gateway)
+    tokens = prompt(1024, seed=1)
+    keys = rig.keys(tokens)
+    rig.hold(keys)
+    assert damage_file_objects(files, only={keys[2]}) == 1
+
+    steps = admit_after_read_back(rig, "r", tokens)
+
+    assert steps[0].new_request("r").num_computed_tokens == 2 * CHUNK
+    [load] = steps[0].meta.loads
+    assert [bytes(k) for k in load.keys[0]] == keys[:2]
+    assert saved_keys(steps) == keys[2:]  # The damaged chunk and the one behind it.
+    assert (rig.side.counters.verified_chunks, rig.side.counters.unverified_chunks) == (2, 2)
+
+
+def test_without_a_wait_only_chunks_in_ram_are_promised(tiny_model: Path, files_gateway: RealGateway) -> None:
+    rig = SchedulerRig(tiny_model, gateway=files_gateway, engine={"verify_wait_ms": 0})
+    tokens = prompt(1001)
+    rig.hold(rig.keys(tokens))
+    assert rig.side.get_num_new_matched_tokens(rig.request("r", tokens), 0) == (0, False)
+    assert rig.side.counters.unverified_chunks == 3
+
+
+def test_chunks_in_ram_are_promised_at_once_and_a_wrong_size_is_no_hit(rig: SchedulerRig) -> None:
+    tokens, other = prompt(1001), prompt(1001, seed=5)
+    rig.hold(rig.keys(tokens))
+    rig.gateway.hold(rig.keys(other), b"short", fingerprint=rig.layout.digests[0])
+
+    assert rig.side.get_num_new_matched_tokens(rig.request("r", tokens), 0) == (bound(1001), False)
+    assert rig.side.get_num_new_matched_tokens(rig.request("o", other), 0) == (0, False)
+    assert rig.side.counters.verified_chunks == rig.side.counters.unverified_chunks == 0
+
+
+def test_a_load_that_fails_after_its_promise_is_recomputed_and_saved_again(
+    rig: SchedulerRig, real_gateway: RealGateway
+) -> None:
+    tokens = prompt(600)
+    keys = rig.keys(tokens)
+    rig.hold(keys)
+    rig.add("r", tokens)
+    # Promised in full; then the worker finds chunk 1 damaged as it loads (and the gateway
+    # drops a damaged chunk).
+    first = rig.step(load_errors=lambda meta: set(meta.loads[0].block_ids[2:]))
+    assert first.new_request("r").num_computed_tokens == 2 * CHUNK
+    assert saved_keys([first]) == []
+    client = real_gateway.client()
+    client.drop([keys[1]])
+    client.close()
+
+    steps = rig.run()
+    # vLLM recomputes from chunk 1's first block; chunk 1 is saved again from that KV.
+    assert steps[0].scheduled("r") == len(tokens) - CHUNK
+    assert saved_keys(steps) == keys[1:]
+
+
+@pytest.fixture
+def rig(tiny_model: Path, real_gateway: RealGateway) -> SchedulerRig:
+    return SchedulerRig(tiny_model, gateway=real_gateway)
