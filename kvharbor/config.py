@@ -253,10 +253,20 @@ class CircuitBreakerSection(_Section):
     cooldown_s: float = Field(30.0, gt=0, description="how long an open breaker skips its tier before a trial")
     probe_backoff_factor: float = Field(2.0, ge=1, description="each failed trial multiplies the wait by this")
     probe_interval_max_s: float = Field(300.0, gt=0, description="the longest wait between trials")
+    background_probe_interval_s: float = Field(
+        1.0, gt=0, description="how often the gateway looks for a tier due a trial"
+    )
     """The first trial comes ``cooldown_s`` after the breaker opens; each failed one waits
     ``probe_backoff_factor`` times longer, up to ``probe_interval_max_s``; success closes
     the breaker and resets the wait to ``cooldown_s``. A card whose target stops
-    answering opens its breaker at once (no window to fill)."""
+    answering opens its breaker at once (no window to fill).
+
+    A trial is a request that reaches the tier, or, in the gateway, a background probe
+    (`kvharbor.gateway.prober`): every ``background_probe_interval_s`` it gives each tier
+    whose breaker is due a trial one question, so that a target that comes back is found
+    with no traffic. The breaker's waits decide *when* a tier is due; the interval only
+    bounds how late after that the probe comes (a trial at most ``cooldown_s`` +
+    ``background_probe_interval_s`` after the breaker opened, and so on with the backoff)."""
 
 
 class BackpressureSection(_Section):
@@ -325,13 +335,52 @@ class StorageSection(_Section):
         return typed
 
 
+CARD_REGION_SLACK_BYTES = 12 * 1024
+"""What a block-mode region needs beside one fragment and its cache header: the region
+header, the store's object header and the padding of both to whole 4 KiB blocks."""
+
+
 class CardSection(_Section):
-    """Settings of the nvme (card) tier; applied to its device when the tier opens."""
+    """Settings of the nvme (card) tier; applied to its device when the tier opens.
+
+    Key eviction by device kind:
+
+    - the simulated card and block mode (``file:PATH``, ``/dev/nvmeXnY``) evict on their
+      own: on, the oldest keys (block mode: the oldest region) make room; off, a full
+      card refuses the write as card full (event 3002);
+    - an NVMe KV namespace (``/dev/ngXnY``) has no eviction of its own (the KV command set
+      defines none): on, the tier evicts instead (least recently used, within the tier's
+      capacity budget), said once when the tier opens; off, the namespace refuses a store
+      it has no room for (status 81h, counted as card full).
+    """
 
     key_eviction: bool = True
     """The card evicts its oldest keys to make room; off: a full card refuses writes (event 3002)."""
     fragment_bytes: int = Field(2 * MIB, ge=4096, description="largest value the card stores")
     """Values above it are stored in fragments; it enters the layout of what the card tier stores."""
+    region_mb: int = Field(256, gt=0, description="block mode: the size of one log region")
+    """Block mode only (``file:PATH``, ``/dev/nvmeXnY``), used when the store is formatted; a
+    store keeps the geometry it was formatted with. Large against a fragment so that padding
+    costs little, small against the device so that evicting one region drops a small share."""
+    health_interval_s: float = Field(10.0, gt=0, description="how long an NVMe device's health is reused")
+    """An NVMe device's health comes from nvme-cli (one subprocess per log); a status asked
+    more often than this is answered from the last reading."""
+
+    @model_validator(mode="after")
+    def _region_holds_a_fragment(self) -> CardSection:
+        from kvharbor.cache.format import HEADER_BYTES
+
+        needed = self.fragment_bytes + HEADER_BYTES + CARD_REGION_SLACK_BYTES
+        if self.region_mb * MIB < needed:
+            raise ValueError(
+                f"card.region_mb {self.region_mb} cannot hold one fragment of card.fragment_bytes "
+                f"{self.fragment_bytes} with its headers (at least {-(-needed // MIB)} MiB)"
+            )
+        return self
+
+    @property
+    def region_bytes(self) -> int:
+        return self.region_mb * MIB
 
 
 class DashboardSection(_Section):

@@ -9,53 +9,21 @@ empty and every lookup is a miss: the engine still serves.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 
 from kvharbor.cache.breaker import BreakerSettings, CircuitBreaker
-from kvharbor.cache.format import HEADER_BYTES, Codec, CorruptObject, decode, encode
+from kvharbor.cache.format import HEADER_BYTES, Codec
 from kvharbor.cache.index import MemoryIndex, TierIndex
-from kvharbor.cache.keys import ChunkKey, LayoutFingerprint, card_layout
+from kvharbor.cache.keys import card_layout
+from kvharbor.cache.probe import ProbeFailed, probe_device
 from kvharbor.cache.store import TieredStore
 from kvharbor.cache.tier import Tier
 from kvharbor.config import MIB, Config, NvmeTierSection, TierSection
-from kvharbor.hal.base import CardDevice, Device, DeviceError, PersistentDevice
+from kvharbor.hal.base import CardDevice, Device, DeviceError, PersistentDevice, SelfDescribingDevice
 from kvharbor.hal.registry import open_device
 from kvharbor.telemetry.log import get_logger
 
 _log = get_logger("kvharbor.cache.assembly")
-
-PROBE_BYTES = 4096
-_PROBE_FINGERPRINT = LayoutFingerprint(model_id="kvharbor-startup-probe", chunk_size=1).digest()
-
-
-class ProbeFailed(Exception):
-    pass
-
-
-def probe_device(device: Device, codec: Codec) -> None:
-    """Write, read back and delete one object; raise `ProbeFailed` saying which step broke."""
-    key = ChunkKey(os.urandom(16))
-    payload = os.urandom(PROBE_BYTES)
-    step = "write"
-    try:
-        for part in encode(key, _PROBE_FINGERPRINT, payload, codec, device.max_value_bytes):
-            device.put(part.device_key, [part.header, part.payload])
-        step = "read back"
-
-        def read(device_key: ChunkKey) -> memoryview | None:
-            buffer = memoryview(bytearray(PROBE_BYTES * 2 + HEADER_BYTES))
-            got = device.get(device_key, buffer)
-            return None if got is None else buffer[:got]
-
-        value = decode(key, _PROBE_FINGERPRINT, read)
-        if value is None or bytes(value) != payload:
-            raise ProbeFailed("read back: the probe object came back different or not at all")
-        step = "delete"
-        if not device.delete(key):
-            raise ProbeFailed("delete: the probe object was not there to delete")
-    except (DeviceError, CorruptObject, OSError) as err:
-        raise ProbeFailed(f"{step}: {err}") from None
 
 
 def open_index(device: Device, tier_name: str) -> TierIndex:
@@ -63,7 +31,20 @@ def open_index(device: Device, tier_name: str) -> TierIndex:
         from kvharbor.cache.manifest import open_manifest
 
         return open_manifest(device, tier_name)
-    return MemoryIndex()
+    index = MemoryIndex()
+    if isinstance(device, SelfDescribingDevice):
+        from kvharbor.cache.recovery import recover_entries
+
+        recovered = recover_entries(device)
+        index.rebuild(recovered.entries)
+        _log.info(
+            "kvharbor: tier %s: %d values found on the device (%d objects scanned, %d damaged dropped)",
+            tier_name,
+            len(recovered.entries),
+            recovered.objects,
+            recovered.dropped,
+        )
+    return index
 
 
 def device_limit(section: TierSection, config: Config) -> int:
@@ -97,13 +78,20 @@ def open_tier(section: TierSection, config: Config, device: Device | None = None
     """
     storage = config.storage
     if device is None:
-        device = open_device(section, device_limit(section, config))
+        device = open_device(section, config.card, device_limit(section, config))
     codec = Codec.from_name(section.codec)
     is_card = isinstance(device, CardDevice)
     try:
         capacity_bytes = tier_capacity(section, device)
         if isinstance(device, CardDevice):
             device.set_key_eviction(config.card.key_eviction)
+            if config.card.key_eviction and not device.evicts_on_its_own:
+                _log.info(
+                    "kvharbor: tier %s: the device has no key eviction of its own; card.key_eviction is done "
+                    "by the tier (least recently used within its %g GiB)",
+                    section.name,
+                    capacity_bytes / 2**30,
+                )
         if storage.probe:
             probe_device(device, codec)
         index = open_index(device, section.name)
@@ -125,7 +113,7 @@ def open_tier(section: TierSection, config: Config, device: Device | None = None
         section.type,
         reopen,
         layout=card_layout(device.max_value_bytes) if is_card else b"",
-        device_evicts=is_card and config.card.key_eviction,
+        device_evicts=isinstance(device, CardDevice) and device.evicts_on_its_own and config.card.key_eviction,
     )
 
 

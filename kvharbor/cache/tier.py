@@ -31,6 +31,7 @@ from kvharbor.cache.format import (
 )
 from kvharbor.cache.index import Entry, OverBudget, TierIndex
 from kvharbor.cache.keys import ChunkKey, fragment_key, tier_fingerprint
+from kvharbor.cache.probe import ProbeFailed, probe_device
 from kvharbor.hal.base import (
     Buffer,
     BufferTooSmall,
@@ -522,6 +523,32 @@ class Tier:
             removed += self._delete_quietly(device_key)
         self.index.rebuild([])
         return removed
+
+    # -- probing -----------------------------------------------------------
+
+    def probe(self) -> BreakerState:
+        """One trial without a request: when the breaker lets a trial through (half-open,
+        none running), run the device probe (`kvharbor.cache.probe`: write, read back and
+        delete a small object, so the medium itself answers) and report the outcome as
+        any operation would: an answer closes the breaker (said once: answers again; a
+        full card answered too), a failure opens it for the next, longer wait. Otherwise
+        nothing. Returns the breaker's state after it. This is how a tier comes back with
+        no traffic."""
+        if self.breaker.state is not BreakerState.HALF_OPEN:
+            return self.breaker.state
+        with self.breaker.attempt() as attempt:
+            if not attempt.trial:
+                return self.breaker.state  # A request holds the trial; it reports.
+            try:
+                probe_device(self.device, self.codec)
+            except ProbeFailed as failed:
+                if isinstance(failed.error, DeviceFull):
+                    self._ok()  # Full, but it answered: the tier serves its reads again.
+                else:
+                    self._fault("probe", failed.error or DeviceError(self.name, str(failed)))
+            else:
+                self._ok()
+        return self.breaker.state
 
     # -- state -------------------------------------------------------------
 

@@ -36,6 +36,7 @@ from kvharbor.config import MIB, Config
 from kvharbor.gateway import protocol as p
 from kvharbor.gateway.access import AccessPolicy, Peer, peer_of
 from kvharbor.gateway.lifetime import Lifetime
+from kvharbor.gateway.prober import TierProber
 from kvharbor.gateway.shm import (
     PAGE_BYTES,
     Segment,
@@ -143,6 +144,7 @@ class Gateway:
         self.ring_bytes = 0
         """The segment's first bytes, the transfer ring; RAM tiers follow it."""
         self.store: TieredStore | None = None
+        self._prober: TierProber | None = None
         self.transfers: Transfers | None = None
         self.refill: RamRefill | None = None
         self._listener: socket.socket | None = None
@@ -178,6 +180,9 @@ class Gateway:
         shared = self._create_segment(shm_dir, free, total)
         assert self.segment is not None
         self.store = open_store(self.config, start_clean=self.start_clean, devices=shared)
+        self._prober = TierProber(
+            self.store.tiers, self.config.storage.backpressure.circuit_breaker.background_probe_interval_s
+        )
         self.transfers = Transfers(self.config, self.store, self.segment, self.ring_bytes, self._count)
         storage = self.config.storage
         self.refill = RamRefill(self.store, storage.refill_ram, storage.refill_ram_mb_per_s)
@@ -198,6 +203,7 @@ class Gateway:
         if self._lifetime is not None:
             self._lifetime.start()
         self.refill.start()
+        self._prober.start()
         _log.info(
             "kvharbor: gateway %s (protocol %d, pid %d) serving %s, shared memory %s (%d MiB), start-clean=%d",
             __version__, p.PROTOCOL_VERSION, os.getpid(), self.socket_path, self.segment.path,
@@ -319,6 +325,8 @@ class Gateway:
                 # refused at start must not unlink the one serving there.
                 self.socket_path.unlink(missing_ok=True)
             self._stop_clients()
+            if self._prober is not None:
+                self._prober.stop()
             if self.refill is not None:
                 self.refill.stop(self.config.gateway.stop_timeout_ms / 1000)
             if self.transfers is not None:

@@ -54,6 +54,10 @@ class DeviceUnavailable(DeviceError):
     """The device does not answer (unmounted, target gone, process dead)."""
 
 
+class DeviceInUse(DeviceUnavailable):
+    """Another process holds the device exclusively (a block store's ``flock``): a gateway serving it."""
+
+
 class TargetUnreachable(DeviceUnavailable):
     """The path to the device is gone (an NVMe-oF target that restarts): no operation will
     succeed until it answers again, so the tier is unavailable at once, not after a window
@@ -274,6 +278,11 @@ class CardDevice(ABC):
     """Mixin for computational-storage cards: aggregated status, the card's event log,
     key eviction switchable while running, and the status codes it answered."""
 
+    evicts_on_its_own: bool = True
+    """Whether key eviction on makes the card drop keys by itself (then it, not the tier's
+    index, says what is there). False for a card without eviction (an NVMe KV namespace):
+    key eviction on is then the tier's own, within its capacity budget."""
+
     @abstractmethod
     def card_status(self) -> CardStatus: ...
 
@@ -287,6 +296,10 @@ class CardDevice(ABC):
     @abstractmethod
     def status_counts(self) -> dict[str, int]:
         """Answers other than success, counted by status code (misses included)."""
+
+    @abstractmethod
+    def wipe(self) -> int:
+        """Remove every key the card holds (``kvharbor card wipe``); returns how many."""
 
 
 class EventSource(ABC):
@@ -307,6 +320,13 @@ class PersistentDevice(ABC):
     @property
     @abstractmethod
     def state_dir(self) -> str: ...
+
+
+class SelfDescribingDevice(ABC):  # noqa: B024 - a marker: what it promises is in the protocol.
+    """Mixin for devices whose contents outlive the process and that need no index beside
+    them (block mode: the store rebuilds its own from the region headers). The cache
+    rebuilds a tier's index at open from the objects' own headers (`scan` and `peek`,
+    `kvharbor.cache.recovery`), so a restart keeps every value the device still holds."""
 
 
 @dataclass(frozen=True, slots=True)

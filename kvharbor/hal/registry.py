@@ -8,32 +8,33 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvharbor.config import FileTierSection, NvmeTierSection, RamTierSection, TierSection
+from kvharbor.config import CardSection, FileTierSection, NvmeTierSection, RamTierSection, TierSection
 from kvharbor.hal.base import Device
 
-DeviceFactory = Callable[[TierSection, int], Device]
-"""Builds a driver from its tier section and the largest value it must take."""
+DeviceFactory = Callable[[TierSection, CardSection, int], Device]
+"""Builds a driver from its tier section, the `card` section (read by card drivers only)
+and the largest value it must take."""
 
 
-def _open_ram(section: TierSection, max_value_bytes: int) -> Device:
+def _open_ram(section: TierSection, card: CardSection, max_value_bytes: int) -> Device:
     from kvharbor.hal.ram import RamDevice
 
     assert isinstance(section, RamTierSection)
     return RamDevice(section.name, section.capacity_bytes, min(max_value_bytes, section.capacity_bytes))
 
 
-def _open_file(section: TierSection, max_value_bytes: int) -> Device:
+def _open_file(section: TierSection, card: CardSection, max_value_bytes: int) -> Device:
     from kvharbor.hal.file import open_file_device
 
     assert isinstance(section, FileTierSection)
     return open_file_device(section, max_value_bytes)
 
 
-def _open_nvme(section: TierSection, max_value_bytes: int) -> Device:
+def _open_nvme(section: TierSection, card: CardSection, max_value_bytes: int) -> Device:
     from kvharbor.hal.cards import open_card
 
     assert isinstance(section, NvmeTierSection)
-    return open_card(section.name, section.device, max_value_bytes)
+    return open_card(section, card, max_value_bytes)
 
 
 _FACTORIES: dict[str, DeviceFactory] = {"ram": _open_ram, "file": _open_file, "nvme": _open_nvme}
@@ -50,10 +51,10 @@ def device_types() -> list[str]:
     return sorted(_FACTORIES)
 
 
-def open_device(section: TierSection, max_value_bytes: int) -> Device:
+def open_device(section: TierSection, card: CardSection, max_value_bytes: int) -> Device:
     """Open the driver for ``section``; raises ValueError for an unknown type."""
     factory = _FACTORIES.get(section.type)
     if factory is None:
         known = ", ".join(device_types())
         raise ValueError(f"tier '{section.name}': unknown tier type {section.type!r}; known: {known}")
-    return factory(section, max_value_bytes)
+    return factory(section, card, max_value_bytes)

@@ -16,6 +16,7 @@ import pytest
 import yaml
 from gateway_harness import Lab, closing_client, get_values, put_values, value_for, wait_until
 
+from kvharbor.cli import main
 from kvharbor.hal.sim.control import write_control
 
 pytestmark = pytest.mark.timeout(120)
@@ -24,7 +25,7 @@ VALUE_BYTES = 100_000
 CARD_BYTES = 2 << 20
 
 
-def card_gateway_config(lab: Lab, tmp_path: Path) -> tuple[Path, str]:
+def card_gateway_config(lab: Lab, tmp_path: Path, **breaker: float) -> tuple[Path, str]:
     control = str(tmp_path / "card-control.yaml")
     params = tmp_path / "card.yaml"
     params.write_text(yaml.safe_dump({"capacity_bytes": CARD_BYTES, "control_path": control, "control_poll_s": 0.01}))
@@ -37,7 +38,7 @@ def card_gateway_config(lab: Lab, tmp_path: Path) -> tuple[Path, str]:
     document = yaml.safe_load(path.read_text())
     document["card"] = {"key_eviction": False}
     document["storage"]["backpressure"] = {
-        "circuit_breaker": {"cooldown_s": 0.2, "probe_backoff_factor": 2.0, "probe_interval_max_s": 1.0}
+        "circuit_breaker": {"cooldown_s": 0.2, "probe_backoff_factor": 2.0, "probe_interval_max_s": 1.0, **breaker}
     }
     path.write_text(yaml.safe_dump(document))
     return path, control
@@ -95,4 +96,97 @@ def test_a_gateway_serves_from_a_simulated_card_through_full_and_a_target_outage
     assert log.count("tier 'card' unavailable") == 1 and log.count("tier 'card' answers again") == 1
     assert log.count("tier 'card' is full") == 1, "said once, not per refused value"
     assert "3/70h" in log and "87h" not in log, "a lost path is said once; misses never"
+    assert gateway.stop() == 0
+
+
+def test_a_target_that_comes_back_with_no_traffic_is_found_by_the_background_probe(lab: Lab, tmp_path: Path) -> None:
+    config_path, control = card_gateway_config(lab, tmp_path, background_probe_interval_s=0.05)
+    gateway = lab.gateway(config_path).start()
+    first = [(bytes([3, i]) * 8, VALUE_BYTES) for i in range(4)]
+    with closing_client(gateway.client()) as client:
+        assert put_values(client, first) == len(first)
+        write_control(control, target_up=False)
+        fresh = itertools.count()
+        wait_until(
+            lambda: (
+                put_values(client, [(next(fresh).to_bytes(16, "big"), VALUE_BYTES)]) == 1
+                and "tier 'card' unavailable" in gateway.log()
+            ),
+            "the card tier unavailable",
+        )
+        for _ in range(4):  # Push the first values out of RAM: only the card holds them.
+            batch = [(next(fresh).to_bytes(16, "big"), VALUE_BYTES) for _i in range(4)]
+            assert put_values(client, batch) == 4
+        requests = card_status(client.status())["counters"]["skipped"]
+        write_control(control, target_up=True)
+        # No request reaches the card now: only the background probe can find it back.
+        wait_until(lambda: "tier 'card' answers again" in gateway.log(), "the probe found the card back")
+        card = card_status(client.status())
+        assert card["breaker"] == "closed" and card["counters"]["skipped"] == requests
+        hits = card["counters"]["hits"]
+        assert get_values(client, [key for key, _ in first]) == [value_for(k, s) for k, s in first]
+        assert card_status(client.status())["counters"]["hits"] > hits, "the next get hits the card"
+    log = gateway.log()
+    assert log.count("tier 'card' unavailable") == 1 and log.count("tier 'card' answers again") == 1
+    assert gateway.stop() == 0
+
+
+def block_card_config(lab: Lab, tmp_path: Path) -> Path:
+    path = lab.config(
+        tiers=[
+            {"name": "ram", "type": "ram", "capacity_gb": 1 / 1024},
+            {"name": "card", "type": "nvme", "device": f"file:{tmp_path / 'card.img'}", "capacity_gb": 16 / 1024},
+        ]
+    )
+    document = yaml.safe_load(path.read_text())
+    document["card"] = {"region_mb": 4, "fragment_bytes": 1 << 20}
+    path.write_text(yaml.safe_dump(document))
+    return path
+
+
+def test_a_gateway_restarted_over_a_file_card_still_hits_and_wipe_waits_for_it(
+    lab: Lab, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config_path = block_card_config(lab, tmp_path)
+    items = [(bytes([4, i]) * 8, VALUE_BYTES) for i in range(4)] + [(bytes([5, 0]) * 8, 3 << 20)]
+    gateway = lab.gateway(config_path).start()
+    with closing_client(gateway.client()) as client:
+        assert put_values(client, items) == len(items)  # The last one: three fragments on the card.
+    assert gateway.stop() == 0
+    gateway = lab.gateway(config_path).start()
+    assert "kvharbor: tier card: 5 values found on the device" in gateway.log()
+    with closing_client(gateway.client()) as client:
+        assert get_values(client, [key for key, _ in items]) == [value_for(k, s) for k, s in items]
+        assert card_status(client.status())["counters"]["hits"] == len(items), "RAM was empty: the card served"
+        # While the gateway serves the card, wipe refuses (its socket answers, the store is locked).
+        assert main(["card", "wipe", "--config", str(config_path), "--yes"]) == 2
+        assert "is serving it; stop the gateway first, or pass --force" in capsys.readouterr().err
+    assert gateway.stop() == 0
+    assert main(["card", "wipe", "--config", str(config_path), "--yes", "--json"]) == 0
+    assert '"keys_removed": 7' in capsys.readouterr().out  # Four values and three fragments.
+
+
+@pytest.mark.parametrize(
+    ("device", "said"),
+    [
+        ("/dev/null", "device /dev/null is not an NVMe device"),
+        ("/dev/nvme97n1", "device /dev/nvme97n1 does not exist"),
+        ("file:{tmp}/small.img", "small.img: 65536 bytes is too small for block mode"),
+    ],
+)
+def test_a_gateway_beside_a_bad_card_serves_from_ram(lab: Lab, tmp_path: Path, device: str, said: str) -> None:
+    (tmp_path / "small.img").write_bytes(bytes(65536))
+    config_path = lab.config(
+        tiers=[
+            {"name": "ram", "type": "ram", "capacity_gb": 1 / 1024},
+            {"name": "card", "type": "nvme", "device": device.format(tmp=tmp_path)},
+        ]
+    )
+    gateway = lab.gateway(config_path).start()
+    assert "kvharbor: tier card unavailable: tier 'card'" in gateway.log() and said in gateway.log()
+    items = [(bytes([6, i]) * 8, VALUE_BYTES) for i in range(3)]
+    with closing_client(gateway.client()) as client:
+        assert [t["name"] for t in client.status()["store"]["tiers"]] == ["ram"]
+        assert put_values(client, items) == len(items)
+        assert get_values(client, [key for key, _ in items]) == [value_for(k, s) for k, s in items]
     assert gateway.stop() == 0

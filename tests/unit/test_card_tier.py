@@ -97,8 +97,8 @@ def test_more_than_one_card_tier_is_refused() -> None:
     ("tier", "said"),
     [
         ({"device": "sim", "capacity_gb": 2}, "exceeds the device's capacity"),
-        ({"device": "file:/tmp/card.img"}, "block mode on a file is not built yet"),
-        ({"device": "/dev/ng0n1"}, "the NVMe driver is not built yet"),
+        ({"device": "file:/nonexistent/card.img"}, "card.img does not exist; set the tier's capacity_gb"),
+        ({"device": "/dev/ng97n1"}, "device /dev/ng97n1 does not exist"),
         ({"device": "sim:/nonexistent/card.yaml"}, "sim parameter file /nonexistent/card.yaml"),
     ],
 )

@@ -40,8 +40,9 @@ def test_usage_and_events_of_the_configured_card_take_the_card_settings(tmp_path
     ("args", "message"),
     [
         (["--device", "nope"], "--device 'nope': expected sim, sim:PARAMS.yaml"),
-        (["--device", "/dev/ng0n1"], "the NVMe driver is not built yet"),
-        (["--device", "file:/tmp/card.img"], "block mode on a file is not built yet"),
+        (["--device", "/dev/ng97n1"], "tier 'card': device /dev/ng97n1 does not exist"),
+        (["--device", "/dev/null"], "device /dev/null is not an NVMe device"),
+        (["--device", "file:/nonexistent/card.img"], "card.img does not exist; set the tier's capacity_gb"),
         (["--device", "sim:/nonexistent/card.yaml"], "sim parameter file /nonexistent/card.yaml"),
         (["--config", "/nonexistent/kvharbor.yaml"], "does not exist"),
     ],

@@ -72,11 +72,13 @@ def test_the_error_log_is_the_cards_event_log(tmp_path: Path) -> None:
     assert device.card_events(since_seq=7) == []
 
 
-def test_key_eviction_cannot_be_switched_on(tmp_path: Path) -> None:
+def test_key_eviction_is_recorded_not_done_by_the_namespace(tmp_path: Path) -> None:
     device = card(tmp_path, "smart_log_v2.7.jsonc")
+    assert not device.evicts_on_its_own
+    device.set_key_eviction(True)
+    assert device.card_status().key_eviction is True
     device.set_key_eviction(False)
-    with pytest.raises(ValueError, match=r"device /dev/null: an NVMe KV namespace has no key eviction"):
-        device.set_key_eviction(True)
+    assert device.card_status().key_eviction is False
 
 
 def test_without_nvme_cli_the_namespace_still_serves_and_says_why_health_is_unknown(tmp_path: Path) -> None:
@@ -130,8 +132,22 @@ def test_a_full_namespace_is_counted_full_and_the_tier_stays_closed(tmp_path: Pa
     assert tier.counters.full == 1 and tier.breaker.state is BreakerState.CLOSED
 
 
-def test_the_default_key_eviction_is_refused_naming_the_setting(tmp_path: Path) -> None:
+def test_with_the_default_key_eviction_the_tier_evicts_least_recently_used_and_says_so_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     admin = NvmeAdmin("/dev/ng0n1", nvme_printing(tmp_path, "smart_log_v2.7.jsonc", None))
-    device = open_kv_namespace("card", "/dev/null", 1 << 20, KvNamespaceStandIn(), admin)
-    with pytest.raises(ValueError, match=r"set card\.key_eviction: false"):
-        nvme_tier(device)
+    standin = KvNamespaceStandIn(capacity_bytes=1 << 20, value_bytes_max=64 * 1024)
+    device = open_kv_namespace("card", "/dev/null", 1 << 20, standin, admin)
+    config = validate_config(
+        {"storage": {"tiers": [{"name": "card", "type": "nvme", "device": "/dev/ng0n1", "capacity_gb": 100 / 2**20}]}}
+    )
+    with caplog.at_level("INFO", logger="kvharbor"):
+        tier = open_tier(config.storage.tiers[0], config, device)
+    said = [r.getMessage() for r in caplog.records if "no key eviction of its own" in r.getMessage()]
+    assert len(said) == 1 and "done by the tier (least recently used" in said[0]
+    assert not tier.device_evicts
+    keys = [os.urandom(16) for _ in range(4)]
+    for key in keys:  # 100 KiB budget, 40 KiB values: the third and fourth evict the oldest.
+        assert tier.write(key, FINGERPRINT, os.urandom(40 * 1024))
+    assert tier.contains(keys) == [False, False, True, True]
+    assert tier.counters.evictions == 2 and len(standin.values) == 2

@@ -54,10 +54,12 @@ from kvharbor.hal.base import (
     DeviceEvent,
     DeviceEventKind,
     DeviceFull,
+    DeviceInUse,
     DeviceUnavailable,
     EventSource,
     Health,
     HealthState,
+    SelfDescribingDevice,
     SliceConsumer,
     Usage,
     copy_streamed,
@@ -123,7 +125,7 @@ class _Place:
     region_seq: int
 
 
-class BlockStoreDevice(Device, CardDevice, EventSource):
+class BlockStoreDevice(Device, CardDevice, EventSource, SelfDescribingDevice):
     def __init__(
         self,
         name: str,
@@ -134,6 +136,7 @@ class BlockStoreDevice(Device, CardDevice, EventSource):
         create_bytes: int | None = None,
         key_eviction: bool = True,
         fsync: bool = True,
+        exclusive: bool = True,
     ) -> None:
         """Open the block store on ``path`` (a file or a block device).
 
@@ -142,8 +145,9 @@ class BlockStoreDevice(Device, CardDevice, EventSource):
         keeps the geometry it was formatted with. Raises `LayoutError` (a
         ValueError) naming the path for a device of another format or too small,
         ValueError for a ``region_bytes`` that cannot hold a value of
-        ``max_value_bytes``, `DeviceUnavailable` when it cannot be opened or is
-        in use by another process.
+        ``max_value_bytes``, `DeviceUnavailable` when it cannot be opened
+        (`DeviceInUse` when another process holds it). ``exclusive`` False skips the lock: only for a forced
+        wipe (``kvharbor card wipe --force``) beside a process that holds it.
         """
         super().__init__(name, max_value_bytes)
         if region_bytes % BLOCK_BYTES or object_span(max_value_bytes) > region_bytes - REGION_HEADER_BYTES:
@@ -156,7 +160,7 @@ class BlockStoreDevice(Device, CardDevice, EventSource):
         self.fsync = fsync
         self.key_eviction = key_eviction
         self._once = OnceLog(_log)
-        self._opened = _open_exclusive(name, path, create_bytes)
+        self._opened = _open_exclusive(name, path, create_bytes, exclusive)
         self._fd = self._opened.fd
         try:
             self.store = self._superblock(region_bytes)
@@ -357,22 +361,25 @@ class BlockStoreDevice(Device, CardDevice, EventSource):
             events, self._pending = self._pending, []
         return events
 
-    def wipe(self) -> None:
-        """Forget every object: a new store id makes every region and object on the device
-        another store's (their checksums no longer verify), so nothing is rewritten but block 0."""
+    def wipe(self) -> int:
+        """Forget every object (returns how many keys were held): a new store id makes every
+        region and object on the device another store's (their checksums no longer verify),
+        so nothing is rewritten but block 0."""
         with self._append_lock:
             store = Superblock(
                 self.store.region_bytes, self.store.region_count, self.store.device_bytes, os.urandom(16)
             )
             self._write_superblock(store)
             with self._lock:
+                removed = len(self._index)
                 self.store = store
                 self._index.clear()
                 for region in self._regions:
                     region.reset(0)
                 self._order.clear()
                 self._full = False
-                self._events.add(time.time(), CardEventCode.CARD_WIPED, f"{self.path} wiped")
+                self._events.add(time.time(), CardEventCode.CARD_WIPED, f"{self.path} wiped: {removed} keys")
+        return removed
 
     # -- appends -----------------------------------------------------------------
 
@@ -667,8 +674,9 @@ class BlockStoreDevice(Device, CardDevice, EventSource):
         return CapacityUsage.OK
 
 
-def _open_exclusive(name: str, path: str, create_bytes: int | None) -> Opened:
-    """``path`` opened (created with ``create_bytes`` reserved when absent and asked for) and locked."""
+def _open_exclusive(name: str, path: str, create_bytes: int | None, exclusive: bool = True) -> Opened:
+    """``path`` opened (created with ``create_bytes`` reserved when absent and asked for) and,
+    when ``exclusive``, locked."""
     if create_bytes is not None and not os.path.exists(path):
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -686,12 +694,14 @@ def _open_exclusive(name: str, path: str, create_bytes: int | None) -> Opened:
         raise DeviceUnavailable(name, f"{path} does not exist (give its size to create it)") from err
     except OSError as err:
         raise device_error(name, err, f"open {path}") from err
+    if not exclusive:
+        return opened
     try:
         fcntl.flock(opened.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as err:
         os.close(opened.fd)
         if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            raise DeviceUnavailable(name, f"{path} is in use by another process") from err
+            raise DeviceInUse(name, f"{path} is in use by another process") from err
         raise device_error(name, err, f"lock {path}") from err
     return opened
 

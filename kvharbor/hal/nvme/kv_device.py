@@ -13,7 +13,9 @@ The namespace's largest value (Identify's maximum value length) caps
 
 As a `CardDevice`, its health and aggregated status come from nvme-cli
 (`kvharbor.hal.nvme.card_view`); the controller's error log is its event log.
-The KV command set has no key eviction: enabling it is refused.
+The KV command set has no key eviction (`evicts_on_its_own` is False): with
+``card.key_eviction`` on, the tier evicts instead, least recently used within its
+capacity budget; the device only records the setting.
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ from kvharbor.hal.base import (
 )
 from kvharbor.hal.kv_judge import StatusJudge
 from kvharbor.hal.kv_status import SUCCESS, KvStatus
-from kvharbor.hal.nvme.card_view import capacity_usage, error_events, health_from_logs, supercap_state
+from kvharbor.hal.nvme.card_view import capacity_usage, error_events, supercap_state
 from kvharbor.hal.nvme.cli import NvmeCliError
+from kvharbor.hal.nvme.drive_health import HEALTH_INTERVAL_S_DEFAULT, DriveHealth
 from kvharbor.hal.nvme.health import NvmeAdmin
 from kvharbor.hal.nvme.kv_commands import (
     IDENTIFY_BYTES,
@@ -87,6 +90,7 @@ class NvmeKvDevice(Device, CardDevice):
         max_value_bytes: int,
         ioctl: IoctlFn,
         admin: NvmeAdmin,
+        health_interval_s: float = HEALTH_INTERVAL_S_DEFAULT,
     ) -> None:
         limits = info.limits
         super().__init__(name, min(max_value_bytes, limits.value_bytes_max))
@@ -97,7 +101,9 @@ class NvmeKvDevice(Device, CardDevice):
         self._fd = fd
         self._ioctl = ioctl
         self._admin = admin
+        self._health = DriveHealth(admin, health_interval_s)
         self._judge = StatusJudge(name)
+        self.key_eviction = False
 
     # -- the device protocol -----------------------------------------------------
 
@@ -157,17 +163,17 @@ class NvmeKvDevice(Device, CardDevice):
         return Usage(info.used_bytes, info.size_bytes, sum(1 for _ in self._list_keys()))
 
     def health(self) -> Health:
-        """FAILED when the namespace does not answer Identify; else the SMART log's verdict.
-        Without nvme-cli the namespace is OK as far as it answers, and the detail says why
-        nothing more is known."""
+        """FAILED when the namespace does not answer Identify; else the SMART log's verdict
+        (`DriveHealth`: read at most once per health interval). Without nvme-cli the
+        namespace is OK as far as it answers, and the detail says why nothing more is known."""
         try:
             identify(self.name, self._fd, self.nsid, self._ioctl)
         except DeviceError as err:
             return Health(HealthState.FAILED, str(err))
-        try:
-            return health_from_logs(self._admin.smart_log(), self._admin.ocp_smart_log())
-        except NvmeCliError as err:
-            return Health(HealthState.OK, f"answers KV commands; its SMART log is unknown: {err}")
+        health = self._health.read()
+        if health.state is HealthState.OK and health.detail:
+            return Health(HealthState.OK, f"answers KV commands; {health.detail}")
+        return health
 
     # -- card abilities ----------------------------------------------------------
 
@@ -191,7 +197,7 @@ class NvmeKvDevice(Device, CardDevice):
             capacity_bytes=usage.capacity_bytes,
             keys=usage.keys,
             keys_max=self.keys_max,
-            key_eviction=False,
+            key_eviction=self.key_eviction,
             paths=(self.path,),
         )
 
@@ -201,18 +207,22 @@ class NvmeKvDevice(Device, CardDevice):
         except NvmeCliError as err:
             raise DeviceError(self.name, str(err)) from None
 
+    evicts_on_its_own = False
+    """The KV command set refuses a store to a full namespace and never evicts."""
+
     def set_key_eviction(self, enabled: bool) -> None:
-        """The KV command set refuses a store to a full namespace and never evicts; kvharbor
-        will not pretend otherwise (the cache's own capacity budget evicts instead)."""
-        if enabled:
-            raise ValueError(
-                f"tier '{self.name}': device {self.path}: an NVMe KV namespace has no key eviction; "
-                "set card.key_eviction: false (the cache then evicts within the tier's capacity)"
-            )
+        """Records the setting (shown in `card_status`): the namespace never evicts, so key
+        eviction on is the tier's own, least recently used within its capacity budget."""
+        self.key_eviction = enabled
 
     def status_counts(self) -> dict[str, int]:
         """Answers other than success, by status code (misses included)."""
         return self._judge.counts()
+
+    def wipe(self) -> int:
+        """Delete every listed key (the KV command set has no format-like wipe); the keys are
+        listed whole first, so that deleting does not disturb the List order walked."""
+        return sum(self.delete(key) for key in list(self._list_keys()))
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -279,14 +289,20 @@ def identify(name: str, fd: int, nsid: int, ioctl: IoctlFn) -> KvNamespaceInfo:
 
 
 def open_kv_namespace(
-    name: str, path: str, max_value_bytes: int, ioctl: IoctlFn = kernel_ioctl, admin: NvmeAdmin | None = None
+    name: str,
+    path: str,
+    max_value_bytes: int,
+    ioctl: IoctlFn = kernel_ioctl,
+    admin: NvmeAdmin | None = None,
+    health_interval_s: float = HEALTH_INTERVAL_S_DEFAULT,
 ) -> NvmeKvDevice:
     """Open the KV namespace at ``path`` (``/dev/ngXnY``) for tier ``name``.
 
     Raises ValueError naming the tier and the device when the path does not exist,
     is not a character device, is not an NVMe device (the kernel refuses the NVMe
     ioctl), or is an NVMe namespace without the Key Value command set. ``admin`` (default:
-    nvme-cli on PATH for ``path``) answers health and status.
+    nvme-cli on PATH for ``path``) answers health and status; its health is read at most
+    once per ``health_interval_s``.
     """
     where = f"tier '{name}': device {path}"
     try:
@@ -314,7 +330,9 @@ def open_kv_namespace(
             raise ValueError(
                 f"{where} is an NVMe namespace without the Key Value command set (Identify reports no KV format)"
             )
-        return NvmeKvDevice(name, path, fd, nsid, info, max_value_bytes, ioctl, admin or NvmeAdmin(path))
+        return NvmeKvDevice(
+            name, path, fd, nsid, info, max_value_bytes, ioctl, admin or NvmeAdmin(path), health_interval_s
+        )
     except BaseException:
         os.close(fd)
         raise

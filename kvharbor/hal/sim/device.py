@@ -156,6 +156,10 @@ class SimCardDevice(Device, CardDevice, EventSource):
     def status_counts(self) -> dict[str, int]:
         return self._judge.counts()
 
+    def wipe(self) -> int:
+        with self._lock:
+            return self._live().wipe()
+
     def drain_events(self) -> list[DeviceEvent]:
         with self._lock:
             events = self.card.events.since(self._drained_seq)

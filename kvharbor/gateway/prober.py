@@ -1,0 +1,60 @@
+"""Background probing: an unavailable tier comes back without a request reaching it.
+
+A tier whose breaker opened (a card's target that stopped answering, a disk that
+failed) is otherwise tried again only when a request reaches it; a gateway with no
+traffic would never learn that the target came back, and its first request
+afterwards would be a miss. `TierProber` is one daemon thread that wakes every
+``storage.backpressure.circuit_breaker.background_probe_interval_s`` and calls
+`kvharbor.cache.tier.Tier.probe` on every tier: a tier whose breaker is not due
+a trial costs nothing (a look at its state); a due one gets the device probe
+(`kvharbor.cache.probe`: one small object written, read back and deleted).
+So the breaker's ``cooldown_s``, ``probe_backoff_factor`` and
+``probe_interval_max_s`` still decide when a target is asked, and the log says
+once each way that the tier is unavailable and that it answers again.
+
+Bounded: one thread, one probe per due tier per wake-up, each as long as the
+device's own timeouts allow; stopping it waits for the current round only.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+from kvharbor.cache.tier import Tier
+from kvharbor.telemetry.log import get_logger
+
+_log = get_logger("kvharbor.gateway.prober")
+
+
+class TierProber:
+    def __init__(self, tiers: Sequence[Tier], interval_s: float) -> None:
+        if interval_s <= 0:
+            raise ValueError(f"background_probe_interval_s must be > 0, got {interval_s}")
+        self.tiers = tuple(tiers)
+        self.interval_s = interval_s
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="kvharbor-prober")
+
+    def start(self) -> TierProber:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop after the round in progress; safe to call twice, or before `start`."""
+        self._stopping.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def probe_once(self) -> None:
+        for tier in self.tiers:
+            if self._stopping.is_set():
+                return
+            try:
+                tier.probe()
+            except Exception:  # A bug in one driver must not end probing for the others.
+                _log.exception("kvharbor: tier %s: background probe failed unexpectedly", tier.name)
+
+    def _run(self) -> None:
+        while not self._stopping.wait(self.interval_s):
+            self.probe_once()
