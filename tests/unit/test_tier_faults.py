@@ -29,9 +29,11 @@ class BrokenIndex(MemoryIndex):
         if self.broken:
             raise self.error("index", "database is locked")
 
-    def admit(self, entry: Entry, budget_bytes: int, pinned: frozenset[bytes] = frozenset()) -> list[Entry]:
+    def admit(
+        self, entry: Entry, budget_bytes: int, pinned: frozenset[bytes] = frozenset(), behind: bool = False
+    ) -> list[Entry]:
         self._check()
-        return super().admit(entry, budget_bytes, pinned)
+        return super().admit(entry, budget_bytes, pinned, behind)
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         self._check()
