@@ -8,8 +8,14 @@ figure is the best of several repetitions: the least disturbed run.
 from __future__ import annotations
 
 import json
+import os
+import select
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 
@@ -56,3 +62,28 @@ def emit(figures: dict[str, Any], ratios: dict[str, float], as_json: bool) -> No
         print(f"  {name:<{width}}  {value:.3f}x")
     if as_json:
         print(json.dumps({"figures": figures, "ratios": ratios}))
+
+
+@contextmanager
+def gateway_process(config_path: Path, log_path: Path, start_timeout_s: float) -> Iterator[subprocess.Popen[bytes]]:
+    """A real ``kvharbor gateway`` on ``config_path``, its output in ``log_path``, serving
+    inside the block (its ready pipe answered); stopped with SIGTERM after it."""
+    read_end, write_end = os.pipe()
+    log = open(log_path, "wb")  # noqa: SIM115 - closed below
+    child = subprocess.Popen(
+        [sys.executable, "-m", "kvharbor", "gateway", "--config", str(config_path), "--ready-fd", str(write_end)],
+        pass_fds=(write_end,),
+        stdout=log,
+        stderr=log,
+    )
+    os.close(write_end)
+    try:
+        ready, _, _ = select.select([read_end], [], [], start_timeout_s)
+        if not ready or os.read(read_end, 16) != b"ready\n":
+            raise SystemExit(f"the gateway did not start; see {log.name}")
+        yield child
+    finally:
+        os.close(read_end)
+        child.terminate()
+        child.wait(60)
+        log.close()

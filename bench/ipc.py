@@ -40,8 +40,6 @@ import argparse
 import mmap
 import multiprocessing
 import os
-import select
-import subprocess
 import sys
 import tempfile
 import time
@@ -55,7 +53,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import emit
+from common import emit, gateway_process
 
 from kvharbor.cache.format import HEADER_BYTES, checksum
 from kvharbor.config import MIB, GatewaySection, load_config
@@ -99,25 +97,8 @@ def gateway(directory: Path, ring_mb: int, ram_gb: float, value_mb_max: int) -> 
             }
         )
     )
-    read_end, write_end = os.pipe()
-    log = open(directory / f"{config_path.stem}.log", "wb")  # noqa: SIM115 - closed below
-    child = subprocess.Popen(
-        [sys.executable, "-m", "kvharbor", "gateway", "--config", str(config_path), "--ready-fd", str(write_end)],
-        pass_fds=(write_end,),
-        stdout=log,
-        stderr=log,
-    )
-    os.close(write_end)
-    try:
-        ready, _, _ = select.select([read_end], [], [], 60)
-        if not ready or os.read(read_end, 16) != b"ready\n":
-            raise SystemExit(f"the gateway did not start; see {log.name}")
+    with gateway_process(config_path, directory / f"{config_path.stem}.log", 60) as child:
         yield load_config(config_path, environ={}).gateway, child.pid
-    finally:
-        os.close(read_end)
-        child.terminate()
-        child.wait(60)
-        log.close()
 
 
 def rss(pid: int) -> dict[str, int]:

@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import select
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,7 +38,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import emit
+from common import emit, gateway_process
 
 from kvharbor.cache.format import HEADER_BYTES
 from kvharbor.config import GIB, MIB, GatewaySection, load_config
@@ -61,25 +59,8 @@ def gateway(directory: Path, ram_gb: float, storage: dict[str, Any]) -> Iterator
     section = {"mode": "service", "socket": str(directory / f"{name}.sock"), "shm_name": f"kvh-bench-{name}"}
     section |= {"ring_mb": 256, "ring_mb_min": 1}
     config_path.write_text(yaml.safe_dump({"gateway": section, "storage": {"tiers": tiers, **storage}}))
-    read_end, write_end = os.pipe()
-    log = open(directory / f"{name}.log", "wb")  # noqa: SIM115 - closed below
-    child = subprocess.Popen(
-        [sys.executable, "-m", "kvharbor", "gateway", "--config", str(config_path), "--ready-fd", str(write_end)],
-        pass_fds=(write_end,),
-        stdout=log,
-        stderr=log,
-    )
-    os.close(write_end)
-    try:
-        ready, _, _ = select.select([read_end], [], [], 120)
-        if not ready or os.read(read_end, 16) != b"ready\n":
-            raise SystemExit(f"the gateway did not start; see {log.name}")
+    with gateway_process(config_path, directory / f"{name}.log", 120):
         yield load_config(config_path, environ={}).gateway
-    finally:
-        os.close(read_end)
-        child.terminate()
-        child.wait(60)
-        log.close()
 
 
 def put(client: GatewayClient, key: bytes, value: bytes) -> None:

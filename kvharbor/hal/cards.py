@@ -23,6 +23,7 @@ import stat
 
 from kvharbor.config import CardSection, NvmeTierSection
 from kvharbor.hal.base import Device
+from kvharbor.hal.posix import device_mode
 
 _NVME_NAMESPACE = re.compile(r"^/dev/nvme\d+n\d+$")
 """An NVMe namespace's block device (not a partition, ``p1``): nvme-cli answers for it."""
@@ -88,12 +89,7 @@ def _open_file(section: NvmeTierSection, card: CardSection, max_value_bytes: int
 
 def _open_device_path(tier: str, path: str, card: CardSection, max_value_bytes: int, exclusive: bool) -> Device:
     where = f"tier '{tier}': device {path}"
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        raise ValueError(f"{where} does not exist") from None
-    except OSError as err:
-        raise ValueError(f"{where} cannot be inspected: {err.strerror}") from None
+    mode = device_mode(where, path)
     if stat.S_ISCHR(mode):
         from kvharbor.hal.nvme.kv_device import open_kv_namespace
 

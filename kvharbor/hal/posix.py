@@ -77,3 +77,14 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def device_mode(where: str, path: str) -> int:
+    """``st_mode`` of a configured device path; ValueError naming ``where`` (the tier and
+    device) when it does not exist or cannot be inspected."""
+    try:
+        return os.stat(path).st_mode
+    except FileNotFoundError:
+        raise ValueError(f"{where} does not exist") from None
+    except OSError as err:
+        raise ValueError(f"{where} cannot be inspected: {err.strerror}") from None

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from e2e_harness import Lab
 
+from kvharbor.demo.server import VllmServer
+
 
 @pytest.fixture
 def lab(tmp_path: Path, tiny_model: Path) -> Iterator[Lab]:
@@ -16,3 +18,14 @@ def lab(tmp_path: Path, tiny_model: Path) -> Iterator[Lab]:
         yield lab
     finally:
         lab.close()
+
+
+@pytest.fixture
+def servers(lab: Lab) -> Iterator[list[VllmServer]]:
+    """OpenAI servers a test started (append them): each is stopped after the test."""
+    started: list[VllmServer] = []
+    try:
+        yield started
+    finally:
+        for server in started:
+            server.stop()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 from e2e_harness import CHUNK, Lab, bound, start_server, tokens
@@ -23,16 +23,6 @@ pytestmark = pytest.mark.e2e
 
 PROMPT = tokens(1500, seed=60)
 WAIT_S = 60.0
-
-
-@pytest.fixture
-def servers(lab: Lab) -> Iterator[list[VllmServer]]:
-    started: list[VllmServer] = []
-    try:
-        yield started
-    finally:
-        for server in started:
-            server.stop()
 
 
 def ram_keys(lab: Lab) -> tuple[int, int]:

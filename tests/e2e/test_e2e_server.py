@@ -11,7 +11,6 @@ default shutdown (``--shutdown-timeout 0``) loses no save its steps finished
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator
 
 import openai
 import pytest
@@ -24,16 +23,6 @@ pytestmark = pytest.mark.e2e
 PROMPT = tokens(1500, seed=50)
 LAST = tokens(1300, seed=51)
 """Sent last before Ctrl-C: its saves are the ones a killed engine could lose."""
-
-
-@pytest.fixture
-def servers(lab: Lab) -> Iterator[list[VllmServer]]:
-    started: list[VllmServer] = []
-    try:
-        yield started
-    finally:
-        for server in started:
-            server.stop()
 
 
 def complete(server: VllmServer, prompt: list[int], max_tokens: int = 8) -> openai.types.Completion:

@@ -57,6 +57,7 @@ from kvharbor.hal.nvme.kv_commands import (
     parse_kv_identify,
 )
 from kvharbor.hal.nvme.passthru import NVME_IOCTL_ADMIN64_CMD, NVME_IOCTL_IO64_CMD, IoctlFn, PassthruCmd64, kernel_ioctl
+from kvharbor.hal.posix import device_mode
 
 NVME_IOCTL_ID = (ord("N") << 8) | 0x40
 """``_IO('N', 0x40)``: the namespace id of an NVMe block or generic char device."""
@@ -305,12 +306,7 @@ def open_kv_namespace(
     once per ``health_interval_s``.
     """
     where = f"tier '{name}': device {path}"
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        raise ValueError(f"{where} does not exist") from None
-    except OSError as err:
-        raise ValueError(f"{where} cannot be inspected: {err.strerror}") from None
+    mode = device_mode(where, path)
     if not stat.S_ISCHR(mode):
         raise ValueError(f"{where} is not a character device; a KV namespace is its generic device /dev/ngXnY")
     try:
