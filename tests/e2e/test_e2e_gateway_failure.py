@@ -12,7 +12,13 @@ FRESH = [tokens(600, seed=40 + i) for i in range(8)]
 
 
 def test_gateway_killed_mid_stream(lab: Lab) -> None:
-    lab.config_path = lab.write_config(mode="service")
+    # A RAM tier first: its hits are promised at once (verified when written), so the stream's
+    # first step restores before the kill; a file-only hit would first be read back.
+    tiers = [
+        {"name": "ram", "type": "ram", "capacity_gb": 0.25},
+        {"name": "local", "type": "file", "path": str(lab.cache), "capacity_gb": 2},
+    ]
+    lab.config_path = lab.write_config(mode="service", tiers=tiers)
     gateway = lab.start_gateway()
     spec = {
         # vLLM's own prefix cache off: the repeated prompts must come from kvharbor.
