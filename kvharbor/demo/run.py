@@ -2,7 +2,7 @@
 
 1. build a small random-weight model (once; cached in the work directory);
 2. start vLLM's OpenAI server with ``KVHARBOR=1`` and a kvharbor config of
-   the demo's own (a file tier under the work directory, emptied first);
+   the demo's own (a RAM tier, then a file tier under the work directory; emptied first);
 3. send a long prompt and time the first token (a recompute: nothing stored);
 4. restart vLLM only; kvharbor's files stay;
 5. send the same prompt again: the prefix comes back from kvharbor.
@@ -17,7 +17,9 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import select
 import shutil
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -79,7 +81,7 @@ def short_runtime_dir(workdir: Path) -> Path:
 
 
 def write_config(workdir: Path) -> Path:
-    """The demo's own kvharbor config: its socket, shared memory and a file tier under ``workdir``."""
+    """The demo's own kvharbor config: its socket, shared memory, a RAM tier and a file tier under ``workdir``."""
     document = {
         "gateway": {
             "mode": "embedded",
@@ -87,7 +89,14 @@ def write_config(workdir: Path) -> Path:
             "shm_name": f"kvharbor-demo-{workdir_tag(workdir)}",
             "ring_mb": 256,
         },
-        "storage": {"tiers": [{"name": "local", "type": "file", "path": str(workdir / "cache"), "capacity_gb": 8}]},
+        # A RAM tier first: the restarted server restores from the lingering gateway's RAM, as a
+        # production restart does; the file tier keeps the chunks across the gateway's own restarts.
+        "storage": {
+            "tiers": [
+                {"name": "ram", "type": "ram", "capacity_gb": 1},
+                {"name": "local", "type": "file", "path": str(workdir / "cache"), "capacity_gb": 8},
+            ]
+        },
     }
     workdir.mkdir(parents=True, exist_ok=True)
     path = workdir / "kvharbor.yaml"
@@ -103,6 +112,38 @@ def server_env(config: Path, workdir: Path) -> dict[str, str]:
     return env
 
 
+GATEWAY_STOP_TIMEOUT_S = 60.0
+"""How long the demo waits for its own lingering gateway to exit when it stops it."""
+
+
+def stop_gateway(config: Path) -> int | None:
+    """Stop the gateway serving ``config``, if one answers (a previous demo's, lingering with
+    its RAM tier); returns its pid. The demo's first request must miss, and its last server's
+    gateway must not linger past the demo."""
+    from kvharbor.config import load_config
+    from kvharbor.gateway.client import GatewayClient, GatewayError
+
+    section = load_config(config, environ={}).gateway
+    try:
+        client = GatewayClient.connect(section, "kvharbor demo")
+    except GatewayError:
+        return None  # None answers: nothing to stop.
+    pid = client.hello.gateway_pid
+    client.close()
+    try:
+        exited = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return pid
+    try:
+        os.kill(pid, signal.SIGTERM)
+        ready, _, _ = select.select([exited], [], [], GATEWAY_STOP_TIMEOUT_S)
+        if not ready:
+            raise RuntimeError(f"the demo's gateway (pid {pid}) did not stop within {GATEWAY_STOP_TIMEOUT_S:.0f} s")
+    finally:
+        os.close(exited)
+    return pid
+
+
 def run_demo(workdir: Path, prompt_tokens: int = 3000, say: Callable[[str], None] = print) -> DemoResult:
     from kvharbor.demo.server import VllmServer  # Light, but keeps `--help` free of it.
 
@@ -112,8 +153,9 @@ def run_demo(workdir: Path, prompt_tokens: int = 3000, say: Callable[[str], None
     say(f"[1/5] building the demo model (random weights, {DEMO_MODEL['layers']} layers) in {model_dir}")
     build_tiny_model(model_dir, max_position=8192, **DEMO_MODEL)
 
-    shutil.rmtree(workdir / "cache", ignore_errors=True)  # A fresh cache: the first request must miss.
     config = write_config(workdir)
+    stop_gateway(config)  # A fresh cache: the first request must miss.
+    shutil.rmtree(workdir / "cache", ignore_errors=True)
     env = server_env(config, workdir)
     # vLLM's default shutdown (0 s) kills the engine at once: the saves it finished land
     # anyway (completion marks), in the embedded gateway that outlives it.
@@ -146,7 +188,7 @@ def run_demo(workdir: Path, prompt_tokens: int = 3000, say: Callable[[str], None
         say(f"      time to first token {cold.ttft_s:.2f} s; cached tokens {cold.cached_tokens}")
     finally:
         server.stop()
-    say(f"[4/5] restarting vLLM; kvharbor's cache stays on disk in {workdir / 'cache'}")
+    say(f"[4/5] restarting vLLM; kvharbor's gateway keeps the cache in RAM (and on disk in {workdir / 'cache'})")
     server = serve(2)
     try:
         say("[5/5] sending the same prompt to the restarted vLLM")
@@ -160,5 +202,8 @@ def run_demo(workdir: Path, prompt_tokens: int = 3000, say: Callable[[str], None
         )
     finally:
         server.stop()
+    stopped = stop_gateway(config)
+    if stopped is not None:
+        say(f"      stopped the demo's embedded gateway (pid {stopped}); it would linger 600 s (gateway.linger_s)")
     say(f"      demo took {time.monotonic() - started:.0f} s")
     return DemoResult(len(prompt), warm.cached_tokens, cold.ttft_s, warm.ttft_s)

@@ -17,8 +17,9 @@ def test_the_demo_config_keeps_its_data_under_its_workdir_and_its_socket_short(t
     config = load_config(write_config(deep), environ={})
     assert config.gateway.mode == "embedded"
     assert len(config.gateway.socket.encode()) <= UNIX_SOCKET_PATH_BYTES_MAX
-    [tier] = config.storage.tiers
-    assert tier.type == "file" and Path(tier.path) == deep / "cache"  # type: ignore[attr-defined]
+    ram, files = config.storage.tiers
+    assert ram.type == "ram"  # The restart restores from the lingering gateway's RAM.
+    assert files.type == "file" and Path(files.path) == deep / "cache"  # type: ignore[attr-defined]
     other = load_config(write_config(tmp_path / "b"), environ={})
     assert other.gateway.shm_name != config.gateway.shm_name  # Two demos never share a segment.
     assert other.gateway.socket != config.gateway.socket

@@ -74,6 +74,7 @@ class KVHarborConnector(KVConnectorBase_V1):
                 self.layout, self.config, link, load_planner(vllm_config, self.layout), verifier
             )
             link.start()  # Connect now, as the workers do: not in the first request's path.
+            verifier.link.start()  # Likewise: a first read-back must not wait for a connection.
             _log.info(
                 "kvharbor: connector on (scheduler): chunk %d tokens = %d blocks, %d rank(s), namespace %s",
                 self.layout.chunk_size, self.layout.blocks_per_chunk, self.layout.ranks,
