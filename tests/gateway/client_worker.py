@@ -32,6 +32,9 @@ from kvharbor.gateway import protocol as p
 from kvharbor.gateway.client import GatewayClient, GatewayError
 from kvharbor.gateway.protocol import PutCommit
 from kvharbor.gateway.wire import send_message
+
+# Run as a script, this file's folder is on the path, not the repository's (where `tests` is).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from tests.support.as_user import ENV, become
 
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -204,9 +207,20 @@ def test_the_digest_covers_storage_and_card_but_not_engine_or_gateway() -> None:
     assert spelt_out.gateway.config_digest == base.gateway.config_digest, "defaults count as written"
 
 
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A directory whose socket paths fit in sockaddr_un (pytest's tmp_path may be too deep)."""
+    path = Path(tempfile.mkdtemp(prefix="kvh-", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def test_a_derived_gateway_is_the_configs_own_and_an_explicit_one_is_kept(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    monkeypatch: pytest.MonkeyPatch, short_dir: Path
 ) -> None:
+    tmp_path = short_dir
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     first = gateway_address(validate_config({"storage": FILES}))
     second = gateway_address(validate_config({"storage": {**FILES, "write_policy": "write_back"}}))
