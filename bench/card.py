@@ -39,8 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import best_seconds_interleaved, emit
 
-from kvharbor.hal.block.direct import AlignedBuffer, open_direct, pread_full, pwrite_full
+from kvharbor.hal.block.direct import AlignedBuffer, open_direct, pwrite_full
 from kvharbor.hal.block.store import BlockStoreDevice
+from kvharbor.hal.posix import read_into
 from kvharbor.hal.sim.clock import VirtualClock
 from kvharbor.hal.sim.device import SimCardDevice
 from kvharbor.hal.sim.params import CardParams
@@ -152,7 +153,7 @@ def block_store_seconds(directory: str) -> dict[str, float]:
 
     def raw_read() -> None:
         for n in range(BLOCK_VALUES):
-            pread_full(raw.fd, aligned.view, n * BLOCK_VALUE_BYTES)
+            read_into(raw.fd, aligned.view, n * BLOCK_VALUE_BYTES)
 
     def store_put() -> None:
         for key in keys:

@@ -118,17 +118,6 @@ def _direct_read_works(fd: int) -> bool:
     return True
 
 
-def pread_full(fd: int, into: memoryview, offset: int) -> int:
-    """Read until ``into`` is full or the device ends; returns the bytes read."""
-    got = 0
-    while got < into.nbytes:
-        n = os.preadv(fd, [into[got:]], offset + got)
-        if n == 0:
-            break
-        got += n
-    return got
-
-
 def pwrite_full(fd: int, data: memoryview, offset: int) -> None:
     """Write all of ``data`` (whole blocks, aligned for O_DIRECT) at ``offset``."""
     assert data.nbytes == round_up(data.nbytes), data.nbytes

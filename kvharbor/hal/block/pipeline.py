@@ -20,8 +20,9 @@ from typing import Any
 
 import xxhash
 
-from kvharbor.hal.block.direct import pread_full, pwrite_full
+from kvharbor.hal.block.direct import pwrite_full
 from kvharbor.hal.block.layout import BLOCK_BYTES
+from kvharbor.hal.posix import read_into
 
 CHUNK_BYTES = 4 * 1024 * 1024
 """Unit of overlap: large enough that a chunk's I/O costs far more than its submission,
@@ -100,7 +101,7 @@ def read_object(
     def submit(i: int) -> None:
         if i < len(chunks):
             lo, hi = chunks[i]
-            submitted.append(io.submit(pread_full, fd, into[lo:hi], offset + lo))
+            submitted.append(io.submit(read_into, fd, into[lo:hi], offset + lo))
 
     for i in range(READ_AHEAD_CHUNKS):
         submit(i)

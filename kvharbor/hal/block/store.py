@@ -64,7 +64,7 @@ from kvharbor.hal.base import (
     Usage,
     copy_streamed,
 )
-from kvharbor.hal.block.direct import AlignedBuffer, BufferPool, Opened, open_direct, pread_full, pwrite_full
+from kvharbor.hal.block.direct import AlignedBuffer, BufferPool, Opened, open_direct, pwrite_full
 from kvharbor.hal.block.layout import (
     BLOCK_BYTES,
     KEY_BYTES,
@@ -80,7 +80,7 @@ from kvharbor.hal.block.layout import (
     object_span,
 )
 from kvharbor.hal.block.pipeline import read_object, write_object
-from kvharbor.hal.posix import device_error
+from kvharbor.hal.posix import device_error, read_into
 from kvharbor.hal.sim.events import CardEventCode, CardEventLog
 from kvharbor.telemetry.log import PREFIX, OnceLog, get_logger
 
@@ -249,7 +249,7 @@ class BlockStoreDevice(Device, CardDevice, EventSource, SelfDescribingDevice):
         try:
             head = buffer.view[: object_span(n)]
             try:
-                got = pread_full(self._fd, head, place.offset)
+                got = read_into(self._fd, head, place.offset)
             except OSError as err:
                 raise device_error(self.name, err, f"read {self.path}") from err
             header = ObjectHeader.decode(head, self.store.seed, place.region_seq)
@@ -549,7 +549,7 @@ class BlockStoreDevice(Device, CardDevice, EventSource, SelfDescribingDevice):
         """Block 0 parsed, or a new store formatted where it is all zeros."""
         block = AlignedBuffer(BLOCK_BYTES)
         try:
-            got = pread_full(self._fd, block.view, 0)
+            got = read_into(self._fd, block.view, 0)
             first = bytes(block.view[:got])
         finally:
             block.close()
@@ -599,7 +599,7 @@ class BlockStoreDevice(Device, CardDevice, EventSource, SelfDescribingDevice):
         try:
             headers = []
             for region in range(self.store.region_count):
-                pread_full(self._fd, block.view, self.store.region_offset(region))
+                read_into(self._fd, block.view, self.store.region_offset(region))
                 header = RegionHeader.decode(block.view, self.store, region)
                 if header is not None:
                     headers.append(header)
@@ -627,7 +627,7 @@ class BlockStoreDevice(Device, CardDevice, EventSource, SelfDescribingDevice):
         self._seq = max(self._seq, header.seq)
         base = self.store.region_offset(header.region)
         while state.tail + object_span(0) <= self.store.region_bytes:
-            pread_full(self._fd, block.view, base + state.tail)
+            read_into(self._fd, block.view, base + state.tail)
             found = ObjectHeader.decode(block.view, self.store.seed, header.seq)
             if found is None or state.tail + object_span(found.value_bytes) > self.store.region_bytes:
                 return  # The end of this generation's log.
