@@ -18,6 +18,7 @@ from kvharbor.cache.format import Codec, decode, encode
 from kvharbor.cache.keys import ChunkKey, LayoutFingerprint
 from kvharbor.cache.recovery import recover_entries
 from kvharbor.hal.base import DeviceEventKind, DeviceFull, DeviceUnavailable, HealthState
+from kvharbor.hal.block.direct import AlignedBuffer
 from kvharbor.hal.block.layout import (
     BLOCK_BYTES,
     FORMAT_MAGIC,
@@ -27,9 +28,10 @@ from kvharbor.hal.block.layout import (
     LayoutError,
     checksum,
     object_span,
+    round_up,
 )
-from kvharbor.hal.block.pipeline import CHUNK_BYTES
-from kvharbor.hal.block.store import BlockStoreDevice
+from kvharbor.hal.block.pipeline import CHUNK_BYTES, FIRST_CHUNK_BYTES, chunk_plan
+from kvharbor.hal.block.store import IN_PLACE_MIN_BYTES, BlockStoreDevice
 
 REGION_BYTES = 256 * 1024
 VALUE_MAX_BYTES = 64 * 1024
@@ -296,6 +298,50 @@ def test_values_of_several_chunks_in_odd_parts_come_back_whole(tmp_path: Path) -
         assert b"".join(slices) == data
     finally:
         store.close()
+
+
+def test_a_block_aligned_payload_is_written_where_it_lies_and_comes_back_whole(tmp_path: Path) -> None:
+    """The tier's shape of a put: a cache header, then a payload the caller holds block-aligned
+    (shared memory). The payload lands on the block edge after the object header's block, so
+    that it is written from the caller's memory, and reads back whole after a reopen too."""
+    header, data = os.urandom(100), os.urandom(IN_PLACE_MIN_BYTES + 3 * CHUNK_BYTES + 777)
+    total = len(header) + len(data)
+    # A split takes a block more here (a partial block at both ends): room for it.
+    room = total + BLOCK_BYTES
+    region_bytes = REGION_HEADER_BYTES + object_span(room)  # One value per region.
+    path = str(tmp_path / "split.blocks")
+    payload = AlignedBuffer(round_up(len(data)))
+    payload.view[: len(data)] = data
+    store = BlockStoreDevice("card", path, room, region_bytes=region_bytes, create_bytes=4096 + 2 * region_bytes)
+    try:
+        store.put(key(1), [header, payload.view[: len(data)]])
+        store.put(key(2), [header, data])  # Read-only: copied, contiguous.
+        with open(path, "rb") as f:
+            f.seek(SUPERBLOCK_BYTES + REGION_HEADER_BYTES + BLOCK_BYTES)
+            assert f.read(len(data)) == data
+        store.close()
+        store = BlockStoreDevice("card", path, room, region_bytes=region_bytes)
+        into = memoryview(bytearray(total))
+        for k in (key(1), key(2)):
+            assert store.get(k, into) == total and bytes(into) == header + data
+            slices: list[bytes] = []
+            assert store.get_streamed(k, into, lambda piece, got=slices: got.append(bytes(piece))) == total
+            assert b"".join(slices) == header + data
+            assert store.peek(k, into[: len(header) + 10]) == len(header) + 10
+            assert bytes(into[: len(header) + 10]) == header + data[:10]
+    finally:
+        store.close()
+        payload.close()
+
+
+def test_chunks_cover_a_span_exactly_small_at_both_ends() -> None:
+    for nbytes in (BLOCK_BYTES, 3 * FIRST_CHUNK_BYTES, 32 << 20, (32 << 20) + 5 * BLOCK_BYTES):
+        chunks = chunk_plan(BLOCK_BYTES, BLOCK_BYTES + nbytes)
+        assert [lo for lo, _ in chunks[1:]] == [hi for _, hi in chunks[:-1]]
+        assert chunks[0][0] == BLOCK_BYTES and chunks[-1][1] == BLOCK_BYTES + nbytes
+        assert all((hi - lo) % BLOCK_BYTES == 0 and 0 < hi - lo <= CHUNK_BYTES for lo, hi in chunks)
+    big = chunk_plan(0, 32 << 20)
+    assert big[0][1] - big[0][0] == big[-1][1] - big[-1][0] == FIRST_CHUNK_BYTES
 
 
 def test_a_cache_index_can_be_rebuilt_from_a_reopened_store(store_path: Path) -> None:

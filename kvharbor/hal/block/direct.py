@@ -10,6 +10,7 @@ as durable, only slower and through the page cache — and says so once.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
@@ -116,6 +117,28 @@ def _direct_read_works(fd: int) -> bool:
     finally:
         buffer.close()
     return True
+
+
+def address(view: memoryview) -> int:
+    """Where a writable contiguous ``view`` starts in memory (ctypes takes writable buffers only)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+def block_aligned(view: memoryview) -> bool:
+    """Whether ``view`` (contiguous bytes) starts on a block edge in memory, so that O_DIRECT can
+    write from it where it is. A read-only view counts as unaligned: its address cannot be
+    taken (and a ``bytes`` object's data is never page-aligned anyway)."""
+    return not view.readonly and address(view) % BLOCK_BYTES == 0
+
+
+def copy_released(into: memoryview, at: int, source: memoryview, lo: int, hi: int) -> None:
+    """``into[at : at + hi - lo] = source[lo:hi]`` without the GIL: ctypes lets it go for the
+    call, where a memoryview copy holds it, so that an I/O thread copies while the caller's
+    thread hashes. Both views writable and contiguous; bounds are checked here, as memmove
+    checks none."""
+    if not (0 <= lo <= hi <= source.nbytes and at >= 0 and at + hi - lo <= into.nbytes):
+        raise ValueError(f"copy of [{lo}, {hi}) of {source.nbytes} bytes to {at} of {into.nbytes} is out of bounds")
+    ctypes.memmove(address(into) + at, address(source) + lo, hi - lo)
 
 
 def pwrite_full(fd: int, data: memoryview, offset: int) -> None:

@@ -6,7 +6,9 @@
     region i         at SUPERBLOCK_BYTES + i * region_bytes
       block 0        region header: magic, index, sequence, store id, checksum
       then objects   each at a BLOCK_BYTES-aligned offset, padded to a whole block:
-                     object header (OBJECT_HEADER_BYTES) then the value
+                     object header (OBJECT_HEADER_BYTES) then the value, or
+                     (a split value, `ValueLayout`) its head, then from the
+                     next block edge its body
 
 A region is a log: objects are appended until the next does not fit, then the
 store opens another region with a higher sequence. An object belongs to its
@@ -41,8 +43,9 @@ MIN_REGIONS = 2
 _SUPERBLOCK = struct.Struct("<8sIIQQQ16s")
 # magic, region index, sequence, store id; then the checksum.
 _REGION = struct.Struct("<8sQQ16s")
-# magic, kind, 3 pad, region sequence, value bytes, key, value checksum, 8 reserved; then the checksum.
-_OBJECT = struct.Struct("<4sB3xQQ16sQ8x")
+# magic, kind, 3 pad, region sequence, value bytes, key, value checksum, the value's split (head
+# bytes, body offset; 0, 0 for a contiguous value, as every object of the first release is); then the checksum.
+_OBJECT = struct.Struct("<4sB3xQQ16sQII")
 _CHECKSUM = struct.Struct("<Q")
 OBJECT_HEADER_BYTES = _OBJECT.size + _CHECKSUM.size
 KEY_BYTES = 16
@@ -66,6 +69,51 @@ def round_up(nbytes: int) -> int:
 def object_span(value_bytes: int) -> int:
     """Bytes an object of ``value_bytes`` takes in its region (header and padding included)."""
     return round_up(OBJECT_HEADER_BYTES + value_bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class ValueLayout:
+    """Where an object's value lies in the object's bytes.
+
+    Contiguous (``body_at`` 0): right after the object header. Split: the first
+    ``head_bytes`` right after the header, the rest from ``body_at``, a block
+    edge. A put splits a value whose last part the caller holds block-aligned in
+    memory, so that part is written from the caller's memory with O_DIRECT
+    instead of being copied into the store's aligned buffer
+    (`kvharbor.hal.block.pipeline`).
+    """
+
+    value_bytes: int
+    head_bytes: int = 0
+    body_at: int = 0
+
+    @property
+    def valid(self) -> bool:
+        """False for a split no put writes (a damaged or foreign header that passed its checksum)."""
+        if not self.body_at:
+            return self.head_bytes == 0
+        return (
+            self.body_at % BLOCK_BYTES == 0
+            and self.head_bytes <= self.value_bytes
+            and OBJECT_HEADER_BYTES + self.head_bytes <= self.body_at
+        )
+
+    def ranges(self, nbytes: int | None = None) -> list[tuple[int, int]]:
+        """Offsets in the object of the value's first ``nbytes`` (all: None), in value order,
+        empty ones left out."""
+        n = self.value_bytes if nbytes is None else min(nbytes, self.value_bytes)
+        if not self.body_at:
+            return [(OBJECT_HEADER_BYTES, OBJECT_HEADER_BYTES + n)] if n else []
+        head = min(n, self.head_bytes)
+        ranges = [(OBJECT_HEADER_BYTES, OBJECT_HEADER_BYTES + head), (self.body_at, self.body_at + n - head)]
+        return [(a, b) for a, b in ranges if b > a]
+
+    @property
+    def span(self) -> int:
+        """Bytes the object takes in its region (header and padding included)."""
+        if not self.body_at:
+            return object_span(self.value_bytes)
+        return round_up(self.body_at + self.value_bytes - self.head_bytes)
 
 
 def checksum(data: bytes | memoryview, seed: int) -> int:
@@ -158,9 +206,25 @@ class ObjectHeader:
     value_bytes: int
     key: bytes
     value_checksum: int
+    head_bytes: int = 0
+    body_at: int = 0
+    """The value's split (`ValueLayout`); 0, 0: contiguous."""
+
+    @property
+    def layout(self) -> ValueLayout:
+        return ValueLayout(self.value_bytes, self.head_bytes, self.body_at)
 
     def encode_into(self, into: memoryview, seed: int) -> None:
-        body = _OBJECT.pack(OBJECT_MAGIC, self.kind, self.region_seq, self.value_bytes, self.key, self.value_checksum)
+        body = _OBJECT.pack(
+            OBJECT_MAGIC,
+            self.kind,
+            self.region_seq,
+            self.value_bytes,
+            self.key,
+            self.value_checksum,
+            self.head_bytes,
+            self.body_at,
+        )
         into[: _OBJECT.size] = body
         into[_OBJECT.size : OBJECT_HEADER_BYTES] = _CHECKSUM.pack(checksum(body, seed))
 
@@ -172,10 +236,11 @@ class ObjectHeader:
         (stored,) = _CHECKSUM.unpack(raw[_OBJECT.size : OBJECT_HEADER_BYTES])
         if body[:4] != OBJECT_MAGIC or stored != checksum(body, seed):
             return None
-        _, kind, seq, value_bytes, key, value_checksum = _OBJECT.unpack(body)
+        _, kind, seq, value_bytes, key, value_checksum, head_bytes, body_at = _OBJECT.unpack(body)
         if seq != region_seq or kind not in ObjectKind._value2member_map_:
             return None
-        return cls(ObjectKind(kind), seq, value_bytes, key, value_checksum)
+        header = cls(ObjectKind(kind), seq, value_bytes, key, value_checksum, head_bytes, body_at)
+        return header if header.layout.valid else None
 
 
 def _pad(data: bytes, size: int) -> bytes:

@@ -1,11 +1,25 @@
 """Large objects in chunks, so the CPU's work on one chunk overlaps the device's on another.
 
 A put must copy the value into an aligned buffer (O_DIRECT needs one; the
-caller's bytes are not) and checksum it; a get must checksum what it read and
-copy it out. Done one after the other, that CPU time adds to the device's and a
-32 MiB value is stored at well under the disk's speed. Here an I/O thread
-writes (or reads) chunk k while the caller's thread copies and hashes chunk
-k + 1: ``pwritev``/``preadv`` and xxh3 both let go of the GIL.
+caller's bytes are not, and the value starts right after the object header,
+off a block edge) and checksum it; a get must checksum what it read and copy it
+out. Done one after the other, that CPU time adds to the device's and a 32 MiB
+value is stored at well under the disk's speed. Here I/O threads write (or
+read) chunk k while the caller's thread copies and hashes chunk k + 1.
+
+That overlaps only because neither side holds the GIL for long: ``pwritev`` and
+``preadv`` let it go, and so does xxhash's streaming ``xxh3_64.update`` (its C
+code runs inside ``Py_BEGIN_ALLOW_THREADS``; the one-shot ``xxh3_64_intdigest``
+does not, which is why the chunks are hashed by a streaming hasher). A copy
+between memoryviews holds it, so a copy is at most one chunk.
+
+What is not overlapped is the first chunk's copy on a write (no I/O can start
+before it) and the last chunk's hash and copy on a read (no I/O is left to
+overlap). `chunk_plan` therefore starts and ends with small chunks,
+`FIRST_CHUNK_BYTES`, doubling up to `CHUNK_BYTES` in between: the work on the
+critical path is a fraction of a millisecond, while the middle of the value
+goes in chunks large enough that a chunk's submission costs little against its
+I/O.
 
 Contracts: every chunk's I/O has finished when a function returns or raises,
 so the caller may reuse its buffer at once.
@@ -13,25 +27,70 @@ so the caller may reuse its buffer at once.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import xxhash
 
-from kvharbor.hal.block.direct import pwrite_full
-from kvharbor.hal.block.layout import BLOCK_BYTES
+from kvharbor.hal.block.direct import copy_released, pwrite_full
+from kvharbor.hal.block.layout import BLOCK_BYTES, OBJECT_HEADER_BYTES, ValueLayout
 from kvharbor.hal.posix import read_into
 
 CHUNK_BYTES = 4 * 1024 * 1024
-"""Unit of overlap: large enough that a chunk's I/O costs far more than its submission,
-small enough that the first chunk's copy (not overlapped) is a small part of a value."""
-
-
-READ_AHEAD_CHUNKS = 3
+"""Largest chunk: the device's unit of work in the middle of a value (the kernel splits a
+larger O_DIRECT request at ``max_sectors_kb``, 4 MiB here, anyway)."""
+FIRST_CHUNK_BYTES = 256 * 1024
+"""First and last chunk: the copy (on a put) or hash and copy (on a get) of this many bytes is
+the CPU work that cannot overlap any I/O, ~40 µs at memory speed."""
+READ_AHEAD_CHUNKS = 8
 """Chunk reads in flight at once: one request at a time would leave the device's queue
-(and its parallel flash channels) idle between chunks, where one whole-value read keeps it busy."""
+(and its parallel flash channels) idle between chunks; eight of up to `CHUNK_BYTES` keep about
+as much in flight as one 32 MiB read does (the kernel cuts it into 4 MiB requests, all queued)."""
+
+
+def chunk_plan(lo: int, hi: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` (block-aligned) cut into chunks: from `FIRST_CHUNK_BYTES` doubling up to
+    `CHUNK_BYTES` at the start, the same sizes shrinking at the end, `CHUNK_BYTES` between."""
+    assert lo % BLOCK_BYTES == 0 and hi % BLOCK_BYTES == 0 and lo <= hi, (lo, hi)
+    front: list[int] = []
+    back: list[int] = []
+    rest = hi - lo
+    size = FIRST_CHUNK_BYTES
+    while size < CHUNK_BYTES and rest > 2 * size:
+        front.append(size)
+        back.append(size)
+        rest -= 2 * size
+        size *= 2
+    middle = [CHUNK_BYTES] * (rest // CHUNK_BYTES)
+    if rest % CHUNK_BYTES:
+        middle.append(rest % CHUNK_BYTES)  # Whole blocks: ``rest`` and every size above are.
+    bounds = []
+    for nbytes in [*front, *middle, *reversed(back)]:
+        bounds.append((lo, lo + nbytes))
+        lo += nbytes
+    return bounds
+
+
+class _Gather:
+    """The concatenation of ``parts``, handed out piece by piece without joining them."""
+
+    def __init__(self, parts: Sequence[memoryview]) -> None:
+        self._parts: Iterator[memoryview] = iter(parts)
+        self._current = memoryview(b"")
+
+    def copy_into(self, target: memoryview) -> None:
+        """Fill ``target`` with the next ``target.nbytes`` bytes of the parts."""
+        done = 0
+        while done < target.nbytes:
+            while not self._current.nbytes:
+                self._current = next(self._parts)  # The caller never asks past the value's end.
+            n = min(self._current.nbytes, target.nbytes - done)
+            target[done : done + n] = self._current[:n]
+            self._current = self._current[n:]
+            done += n
 
 
 def _finish(futures: Sequence[Future[Any]]) -> None:
@@ -46,38 +105,53 @@ def write_object(
     fd: int,
     staging: memoryview,
     offset: int,
-    head_bytes: int,
-    value_at: int,
+    start: int,
+    layout: ValueLayout,
     parts: Sequence[memoryview],
-    end: int,
     seed: int,
 ) -> tuple[memoryview, int]:
-    """Copy ``parts`` into ``staging`` from ``value_at`` and write ``staging[head_bytes:end]``
-    to ``offset + head_bytes`` chunk by chunk as it fills. Returns the head,
-    ``staging[:head_bytes]``, for the caller to complete (it holds the object header, which
-    needs the checksum) and write last, and the value's xxh3 with ``seed``."""
-    assert head_bytes % BLOCK_BYTES == 0 and end % BLOCK_BYTES == 0 and value_at <= head_bytes <= end
+    """Write the object of ``layout`` holding ``parts`` whose first byte is ``staging[start]``
+    (``staging[0]`` goes to ``offset``), chunk by chunk as the copies into ``staging`` fill,
+    all but its head: the blocks up to the value's body (split) or up to the end of the first
+    block (contiguous). Returns the head, for the caller to complete (it holds the object
+    header, which needs the value's checksum) and write last, and the value's xxh3 with ``seed``.
+
+    A split value's body (its last part) is written from the caller's memory where it is
+    whole blocks, and hashed while it is written; only its last partial block is copied."""
     hasher = xxhash.xxh3_64(seed=seed)
     futures: list[Future[None]] = []
-    submitted = head_bytes
-    filled = value_at
+    value_at = start + OBJECT_HEADER_BYTES
+
+    def fill(lo: int, hi: int, source: _Gather, value_end: int, write: bool) -> None:
+        """``staging[lo:hi]`` filled from ``source`` up to ``value_end`` (padding after), hashed
+        and, with ``write``, written chunk by chunk."""
+        for a, b in chunk_plan(lo, hi) if write else [(lo, hi)]:
+            value = staging[a : max(a, min(b, value_end))]
+            source.copy_into(value)
+            hasher.update(value)
+            if write:
+                futures.append(io.submit(pwrite_full, fd, staging[a:b], offset + a))
+
     try:
-        for part in parts:
-            for lo in range(0, part.nbytes, CHUNK_BYTES):
-                piece = part[lo : lo + CHUNK_BYTES]
-                target = staging[filled : filled + piece.nbytes]
-                target[:] = piece
-                hasher.update(target)
-                filled += piece.nbytes
-                ready = filled // BLOCK_BYTES * BLOCK_BYTES
-                if ready - submitted >= CHUNK_BYTES:
-                    futures.append(io.submit(pwrite_full, fd, staging[submitted:ready], offset + submitted))
-                    submitted = ready
-        if end > submitted:
-            futures.append(io.submit(pwrite_full, fd, staging[submitted:end], offset + submitted))
+        if not layout.body_at:
+            head_end = start + BLOCK_BYTES
+            source = _Gather(parts)
+            value_end = value_at + layout.value_bytes
+            fill(value_at, head_end, source, value_end, write=False)
+            fill(head_end, start + layout.span, source, value_end, write=True)
+        else:
+            *prefix, body = parts
+            head_end = start + layout.body_at
+            fill(value_at, head_end, _Gather(prefix), value_at + layout.head_bytes, write=False)
+            whole = body.nbytes // BLOCK_BYTES * BLOCK_BYTES
+            for a, b in chunk_plan(0, whole):
+                futures.append(io.submit(pwrite_full, fd, body[a:b], offset + head_end + a))
+                hasher.update(body[a:b])
+            tail_at = head_end + whole
+            fill(tail_at, start + layout.span, _Gather([body[whole:]]), tail_at + body.nbytes - whole, write=True)
     finally:
         _finish(futures)
-    return staging[:head_bytes], hasher.intdigest()
+    return staging[:head_end], hasher.intdigest()
 
 
 def read_object(
@@ -85,23 +159,35 @@ def read_object(
     fd: int,
     into: memoryview,
     offset: int,
-    value_at: int,
-    value_bytes: int,
+    ranges: Sequence[tuple[int, int]],
     seed: int,
     copy_to: memoryview | None,
 ) -> int | None:
-    """Read ``into`` (whole blocks) from ``offset``, the next chunk while hashing (and copying
-    to ``copy_to``) the value bytes ``into[value_at : value_at + value_bytes]`` of this one.
+    """Read ``into`` (whole blocks) from ``offset``, the next chunks while hashing (and copying
+    to ``copy_to``, one after the other) the value's ``ranges`` of ``into`` in this one.
     Returns the value's xxh3 with ``seed``, or None when the device ended early."""
-    chunks = [(lo, min(lo + CHUNK_BYTES, into.nbytes)) for lo in range(0, into.nbytes, CHUNK_BYTES)]
+    if copy_to is not None and copy_to.nbytes < sum(b - a for a, b in ranges):
+        raise ValueError(f"a value of {sum(b - a for a, b in ranges)} bytes does not fit {copy_to.nbytes}")
+    chunks = chunk_plan(0, into.nbytes)
     hasher = xxhash.xxh3_64(seed=seed)
-    value_end = value_at + value_bytes
+    # Each range with where its bytes start in the value.
+    placed = list(zip(ranges, itertools.accumulate((b - a for a, b in ranges), initial=0), strict=False))
     submitted: deque[Future[int]] = deque()
+
+    def read_chunk(lo: int, hi: int) -> int:
+        """Read one chunk and copy its value bytes out, in an I/O thread: the copy (GIL let go)
+        runs beside the caller's hashing of the chunk before."""
+        got = read_into(fd, into[lo:hi], offset + lo)
+        if copy_to is not None and got == hi - lo:
+            for (r0, r1), at in placed:
+                a, b = max(lo, r0), min(hi, r1)
+                if b > a:
+                    copy_released(copy_to, at + a - r0, into, a, b)
+        return got
 
     def submit(i: int) -> None:
         if i < len(chunks):
-            lo, hi = chunks[i]
-            submitted.append(io.submit(read_into, fd, into[lo:hi], offset + lo))
+            submitted.append(io.submit(read_chunk, *chunks[i]))
 
     for i in range(READ_AHEAD_CHUNKS):
         submit(i)
@@ -112,11 +198,10 @@ def read_object(
                 short = True
                 break
             submit(i + READ_AHEAD_CHUNKS)
-            a, b = max(lo, value_at), min(hi, value_end)
-            if b > a:
-                hasher.update(into[a:b])
-                if copy_to is not None:
-                    copy_to[a - value_at : b - value_at] = into[a:b]
+            for (r0, r1), _ in placed:
+                a, b = max(lo, r0), min(hi, r1)
+                if b > a:
+                    hasher.update(into[a:b])
     finally:
         _finish(list(submitted))  # Chunks in flight finish before ``into`` is reused.
     return None if short else hasher.intdigest()

@@ -64,7 +64,7 @@ from kvharbor.hal.base import (
     Usage,
     copy_streamed,
 )
-from kvharbor.hal.block.direct import AlignedBuffer, BufferPool, Opened, open_direct, pwrite_full
+from kvharbor.hal.block.direct import AlignedBuffer, BufferPool, Opened, block_aligned, open_direct, pwrite_full
 from kvharbor.hal.block.layout import (
     BLOCK_BYTES,
     KEY_BYTES,
@@ -77,9 +77,11 @@ from kvharbor.hal.block.layout import (
     ObjectKind,
     RegionHeader,
     Superblock,
+    ValueLayout,
     object_span,
+    round_up,
 )
-from kvharbor.hal.block.pipeline import read_object, write_object
+from kvharbor.hal.block.pipeline import READ_AHEAD_CHUNKS, read_object, write_object
 from kvharbor.hal.posix import device_error, read_into
 from kvharbor.hal.sim.events import CardEventCode, CardEventLog
 from kvharbor.telemetry.log import PREFIX, OnceLog, get_logger
@@ -96,8 +98,12 @@ CRITICAL_USAGE_RATIO = 0.95
 READ_ATTEMPTS = 3
 """Lookups of one get when the key moved while it was read (replaced, region reused)."""
 EVENTS_MAX = 1000
-IO_THREADS = 4
-"""Threads doing the chunks' I/O (`kvharbor.hal.block.pipeline`): one per concurrent get or put in flight."""
+IO_THREADS = READ_AHEAD_CHUNKS
+"""Threads doing the chunks' I/O (`kvharbor.hal.block.pipeline`): one get's read-ahead, so that
+a chunked read keeps as much in flight as one whole-value read."""
+IN_PLACE_MIN_BYTES = 1024 * 1024
+"""Smallest last part written from the caller's memory (`ValueLayout`): below it the copy costs
+little and the split's padding block more, in proportion."""
 
 
 @dataclass(slots=True)
@@ -121,8 +127,12 @@ class _Place:
     region: int
     offset: int
     """Of the object header, from the start of the device."""
-    value_bytes: int
+    layout: ValueLayout
     region_seq: int
+
+    @property
+    def value_bytes(self) -> int:
+        return self.layout.value_bytes
 
 
 class BlockStoreDevice(Device, CardDevice, EventSource, SelfDescribingDevice):
@@ -213,9 +223,9 @@ class BlockStoreDevice(Device, CardDevice, EventSource, SelfDescribingDevice):
         found = self._read_verified(key, _bytes_view(into), copy=True)
         if found is None:
             return None
-        buffer, nbytes = found
+        buffer, layout = found
         self._reads.give(buffer)
-        return nbytes
+        return layout.value_bytes
 
     def get_streamed(
         self, key: bytes, into: memoryview, consume: SliceConsumer, slice_bytes: int = STREAM_SLICE_BYTES
@@ -226,10 +236,12 @@ class BlockStoreDevice(Device, CardDevice, EventSource, SelfDescribingDevice):
         found = self._read_verified(key, view)
         if found is None:
             return None
-        buffer, nbytes = found
+        buffer, layout = found
         try:
-            value = buffer.view[OBJECT_HEADER_BYTES : OBJECT_HEADER_BYTES + nbytes]
-            return copy_streamed(value, view, consume, slice_bytes)
+            done = 0
+            for a, b in layout.ranges():
+                done += copy_streamed(buffer.view[a:b], view[done:], consume, slice_bytes)
+            return done
         finally:
             self._reads.give(buffer)
 
@@ -244,18 +256,27 @@ class BlockStoreDevice(Device, CardDevice, EventSource, SelfDescribingDevice):
             place = self._index.get(key)
         if place is None:
             return None
-        n = min(place.value_bytes, view.nbytes)
+        ranges = place.layout.ranges(view.nbytes)
         buffer = self._reads.take()
         try:
-            head = buffer.view[: object_span(n)]
+            head = buffer.view[: round_up(max([OBJECT_HEADER_BYTES, *(b for _, b in ranges)]))]
             try:
                 got = read_into(self._fd, head, place.offset)
             except OSError as err:
                 raise device_error(self.name, err, f"read {self.path}") from err
             header = ObjectHeader.decode(head, self.store.seed, place.region_seq)
-            if got != head.nbytes or header is None or header.kind is not ObjectKind.VALUE or header.key != key:
+            if (
+                got != head.nbytes
+                or header is None
+                or header.kind is not ObjectKind.VALUE
+                or header.key != key
+                or header.layout != place.layout
+            ):
                 return None  # Replaced or evicted since the lookup; `get` says which.
-            view[:n] = head[OBJECT_HEADER_BYTES : OBJECT_HEADER_BYTES + n]
+            n = 0
+            for a, b in ranges:
+                view[n : n + b - a] = head[a:b]
+                n += b - a
         finally:
             self._reads.give(buffer)
         return n
@@ -386,7 +407,8 @@ class BlockStoreDevice(Device, CardDevice, EventSource, SelfDescribingDevice):
     def _append(self, kind: ObjectKind, key: bytes, parts: Sequence[memoryview], total: int) -> None:
         if len(key) != KEY_BYTES:
             raise ValueError(f"{self.name}: keys are {KEY_BYTES} bytes, got {len(key)}")
-        span = object_span(total)
+        layout = self._layout(parts, total)
+        span = layout.span
         with self._append_lock:
             with self._lock:
                 region, seq = self._room(span)
@@ -403,17 +425,10 @@ class BlockStoreDevice(Device, CardDevice, EventSource, SelfDescribingDevice):
                 # start: it needs the value's checksum, and a header on the device then never
                 # precedes the value it describes (only fdatasync orders them for a power cut).
                 head, value_checksum = write_object(
-                    self._io,
-                    self._fd,
-                    staging,
-                    offset,
-                    start + BLOCK_BYTES,
-                    start + OBJECT_HEADER_BYTES,
-                    parts,
-                    start + span,
-                    self.store.seed,
+                    self._io, self._fd, staging, offset, start, layout, parts, self.store.seed
                 )
-                ObjectHeader(kind, seq, total, bytes(key), value_checksum).encode_into(head[start:], self.store.seed)
+                header = ObjectHeader(kind, seq, total, bytes(key), value_checksum, layout.head_bytes, layout.body_at)
+                header.encode_into(head[start:], self.store.seed)
                 pwrite_full(self._fd, head, offset)
                 if self.fsync:
                     os.fdatasync(self._fd)
@@ -427,7 +442,18 @@ class BlockStoreDevice(Device, CardDevice, EventSource, SelfDescribingDevice):
                 if kind is ObjectKind.TOMBSTONE:
                     state.tombstones += 1
                 else:
-                    self._place(key, _Place(region, offset + start, total, seq))
+                    self._place(key, _Place(region, offset + start, layout, seq))
+
+    def _layout(self, parts: Sequence[memoryview], total: int) -> ValueLayout:
+        """Split where the last part is large and block-aligned in the caller's memory (a payload
+        in shared memory, after its cache header) and the split takes no more room than the
+        largest value: the part is then written from where it is, never copied."""
+        if parts and parts[-1].nbytes >= IN_PLACE_MIN_BYTES and block_aligned(parts[-1]):
+            head_bytes = total - parts[-1].nbytes
+            split = ValueLayout(total, head_bytes, round_up(OBJECT_HEADER_BYTES + head_bytes))
+            if split.span <= object_span(self.max_value_bytes):
+                return split
+        return ValueLayout(total)
 
     def _room(self, span: int) -> tuple[int, int]:
         """The region and generation the next object of ``span`` bytes goes to; call under
@@ -484,9 +510,9 @@ class BlockStoreDevice(Device, CardDevice, EventSource, SelfDescribingDevice):
 
     def _read_verified(
         self, key: bytes, room: memoryview | None, copy: bool = False
-    ) -> tuple[AlignedBuffer, int] | None:
-        """The object of ``key`` read whole into a pooled buffer and verified, with its value
-        length; None on a miss. The caller gives the buffer back. Raises `BufferTooSmall`
+    ) -> tuple[AlignedBuffer, ValueLayout] | None:
+        """The object of ``key`` read whole into a pooled buffer and verified, with where its
+        value lies there; None on a miss. The caller gives the buffer back. Raises `BufferTooSmall`
         when the value exceeds ``room`` (None: no limit); with ``copy`` the value is also
         copied into ``room`` on the way (whose bytes are then undefined on a miss)."""
         room_bytes = None if room is None else room.nbytes
@@ -507,7 +533,7 @@ class BlockStoreDevice(Device, CardDevice, EventSource, SelfDescribingDevice):
                 self._reads.give(buffer)
                 raise
             if valid:
-                return buffer, place.value_bytes
+                return buffer, place.layout
             self._reads.give(buffer)
             with self._lock:
                 if self._index.get(key) != place:
@@ -526,10 +552,10 @@ class BlockStoreDevice(Device, CardDevice, EventSource, SelfDescribingDevice):
     def _read_object(self, key: bytes, place: _Place, buffer: AlignedBuffer, copy_to: memoryview | None) -> bool:
         """Read the object at ``place`` into ``buffer`` (its value also into ``copy_to``, as it
         is hashed) and verify it: header, key, length, generation and value checksum."""
-        view = buffer.view[: object_span(place.value_bytes)]
+        view = buffer.view[: place.layout.span]
         try:
             value_checksum = read_object(
-                self._io, self._fd, view, place.offset, OBJECT_HEADER_BYTES, place.value_bytes, self.store.seed, copy_to
+                self._io, self._fd, view, place.offset, place.layout.ranges(), self.store.seed, copy_to
             )
         except OSError as err:
             raise device_error(self.name, err, f"read {self.path}") from err
@@ -539,7 +565,7 @@ class BlockStoreDevice(Device, CardDevice, EventSource, SelfDescribingDevice):
             and header is not None
             and header.kind is ObjectKind.VALUE
             and header.key == key
-            and header.value_bytes == place.value_bytes
+            and header.layout == place.layout
             and header.value_checksum == value_checksum
         )
 
@@ -629,7 +655,7 @@ class BlockStoreDevice(Device, CardDevice, EventSource, SelfDescribingDevice):
         while state.tail + object_span(0) <= self.store.region_bytes:
             read_into(self._fd, block.view, base + state.tail)
             found = ObjectHeader.decode(block.view, self.store.seed, header.seq)
-            if found is None or state.tail + object_span(found.value_bytes) > self.store.region_bytes:
+            if found is None or state.tail + found.layout.span > self.store.region_bytes:
                 return  # The end of this generation's log.
             if found.kind is ObjectKind.TOMBSTONE:
                 state.tombstones += 1
@@ -637,8 +663,8 @@ class BlockStoreDevice(Device, CardDevice, EventSource, SelfDescribingDevice):
                 if old is not None:
                     self._regions[old.region].keys.discard(found.key)
             else:
-                self._place(found.key, _Place(header.region, base + state.tail, found.value_bytes, header.seq))
-            state.tail += object_span(found.value_bytes)
+                self._place(found.key, _Place(header.region, base + state.tail, found.layout, header.seq))
+            state.tail += found.layout.span
 
     def _drop_torn_tail(self, region: int) -> None:
         """Verify the newest region's last value, the one object a crash can have torn;
@@ -646,7 +672,7 @@ class BlockStoreDevice(Device, CardDevice, EventSource, SelfDescribingDevice):
         state = self._regions[region]
         last = max((self._index[key] for key in state.keys), key=lambda place: place.offset, default=None)
         base = self.store.region_offset(region)
-        if last is None or last.offset + object_span(last.value_bytes) != base + state.tail:
+        if last is None or last.offset + last.layout.span != base + state.tail:
             return
         key = next(k for k in state.keys if self._index[k] == last)
         buffer = self._reads.take()
