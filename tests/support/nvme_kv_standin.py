@@ -17,10 +17,13 @@ from dataclasses import dataclass, field
 from kvharbor.hal.kv_status import CAPACITY_EXCEEDED, INVALID_VALUE_SIZE, KEY_NOT_FOUND, KvStatus
 from kvharbor.hal.nvme.kv_commands import (
     ADMIN_IDENTIFY,
+    CNS_CONTROLLER,
+    MEMORY_PAGE_BYTES_MIN,
     KvFormat,
     KvNamespaceInfo,
     KvOpcode,
     command_key,
+    encode_controller_identify,
     encode_key_list,
     encode_kv_identify,
 )
@@ -36,6 +39,9 @@ class KvNamespaceStandIn:
     nsid: int = 1
     kv: bool = True
     """False: a namespace without the KV command set (Identify CNS 05h CSI 01h finds no format)."""
+    mdts: int = 0
+    """The controller's MDTS (0: no limit): a command moving more than ``4096 << mdts`` bytes
+    fails with EINVAL, as Linux refuses such a passthrough before the controller sees it."""
     values: dict[bytes, bytes] = field(default_factory=dict)
     commands: list[bytes] = field(default_factory=list)
     """Every command, as the 80 bytes the kernel would have read."""
@@ -49,6 +55,8 @@ class KvNamespaceStandIn:
         if request == NVME_IOCTL_ADMIN64_CMD and cmd.opcode == ADMIN_IDENTIFY:
             return self._identify(cmd)
         assert request == NVME_IOCTL_IO64_CMD, hex(request)
+        if self.mdts and cmd.data_len > MEMORY_PAGE_BYTES_MIN << self.mdts:
+            raise OSError(errno.EINVAL, f"{cmd.data_len} bytes exceed MDTS")
         if self.script:
             answer = self.script.popleft()
             if isinstance(answer, int):
@@ -57,6 +65,9 @@ class KvNamespaceStandIn:
         return self._io(cmd)
 
     def _identify(self, cmd: PassthruCmd64) -> int:
+        if cmd.cdw10 & 0xFF == CNS_CONTROLLER:
+            ctypes.memmove(cmd.addr, encode_controller_identify(self.mdts), cmd.data_len)
+            return 0
         formats = (KvFormat(16, self.value_bytes_max, self.keys_max),) if self.kv else ()
         used = sum(map(len, self.values.values()))
         ctypes.memmove(cmd.addr, encode_kv_identify(KvNamespaceInfo(self.capacity_bytes, used, formats)), cmd.data_len)

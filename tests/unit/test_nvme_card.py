@@ -19,7 +19,9 @@ from kvharbor.hal.base import CapacityUsage, DeviceError, HealthState
 from kvharbor.hal.nvme.card_view import ERROR_LOG_EVENT, capacity_usage
 from kvharbor.hal.nvme.cli import NvmeCli
 from kvharbor.hal.nvme.health import NvmeAdmin
+from kvharbor.hal.nvme.kv_commands import KvOpcode
 from kvharbor.hal.nvme.kv_device import NvmeKvDevice, open_kv_namespace
+from kvharbor.hal.nvme.passthru import PassthruCmd64
 from tests.support.nvme_kv_standin import KvNamespaceStandIn
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nvme_cli"
@@ -110,8 +112,13 @@ def nvme_tier(device: NvmeKvDevice, **card_settings: object) -> Tier:
     return open_tier(config.storage.tiers[0], config, device)
 
 
-def test_the_tier_fragments_values_to_the_namespaces_largest_value(tmp_path: Path) -> None:
-    standin = KvNamespaceStandIn(capacity_bytes=1 << 20, value_bytes_max=8192)
+@pytest.mark.parametrize(
+    "limit",
+    [{"value_bytes_max": 8192}, {"value_bytes_max": 64 * 1024, "mdts": 1}],
+    ids=["namespace maximum value length", "controller MDTS of 2 pages"],
+)
+def test_the_tier_fragments_values_to_the_largest_one_command_carries(tmp_path: Path, limit: dict[str, int]) -> None:
+    standin = KvNamespaceStandIn(capacity_bytes=1 << 20, **limit)
     admin = NvmeAdmin("/dev/ng0n1", nvme_printing(tmp_path, "smart_log_v2.7.jsonc", None))
     tier = nvme_tier(open_kv_namespace("card", "/dev/null", 1 << 20, standin, admin), key_eviction=False)
     key, data = os.urandom(16), os.urandom(3 * 8192)
@@ -119,6 +126,10 @@ def test_the_tier_fragments_values_to_the_namespaces_largest_value(tmp_path: Pat
     assert tier.index.get(key).parts == 4  # type: ignore[union-attr]
     assert all(len(v) <= 8192 for v in standin.values.values()) and len(standin.values) == 4
     assert bytes(tier.read(key, FINGERPRINT) or b"") == data
+    moved = [PassthruCmd64.from_buffer_copy(c) for c in standin.commands]
+    assert max(c.cdw10 for c in moved if c.opcode == KvOpcode.STORE) <= 8192
+    if "mdts" in limit:
+        assert max(c.data_len for c in moved) <= 8192, "no command moves more than MDTS (Retrieve, List too)"
     standin.values.clear()  # The card lost them (a wipe behind the cache's back): a miss, never wrong bytes.
     assert tier.read(key, FINGERPRINT) is None
 

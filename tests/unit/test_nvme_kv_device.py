@@ -55,9 +55,25 @@ def test_put_get_size_exists_delete_scan() -> None:
 def test_values_are_capped_at_the_namespaces_maximum_value_size() -> None:
     device = opened(KvNamespaceStandIn(value_bytes_max=4096), max_value_bytes=1 << 20)
     assert device.max_value_bytes == 4096  # The cache fragments to it.
-    with pytest.raises(ValueError, match="exceeds max_value_bytes 4096"):
+    with pytest.raises(ValueError, match=r"4097 bytes .* maximum value length 4096 \(KV Identify\)"):
         device.put(key(1), [bytes(4097)])
     assert opened(KvNamespaceStandIn(value_bytes_max=1 << 20), max_value_bytes=8192).max_value_bytes == 8192
+
+
+def test_values_are_capped_at_what_one_command_may_transfer_mdts() -> None:
+    """A Store carries its whole value in one command (no offset, no append), so a value above
+    MDTS is refused naming it; a Retrieve's host buffer is never larger than MDTS either (the
+    stand-in, like Linux, fails a larger transfer with EINVAL)."""
+    card = KvNamespaceStandIn(value_bytes_max=1 << 20, mdts=2)  # 4 pages of 4 KiB.
+    device = opened(card)
+    assert device.max_value_bytes == 16384
+    with pytest.raises(ValueError, match=r"16385 bytes .*the controller's MDTS, 16384 bytes per command"):
+        device.put(key(1), [bytes(16385)])
+    device.put(key(1), [b"m" * 16384])
+    into = memoryview(bytearray(1 << 20))
+    assert device.get(key(1), into) == 16384 and bytes(into[:16384]) == b"m" * 16384
+    assert list(device.scan()) == [(key(1), 16384)]  # List's buffer too.
+    assert opened(KvNamespaceStandIn(mdts=0)).max_value_bytes == KvNamespaceStandIn().value_bytes_max, "0: no limit"
 
 
 def test_a_short_buffer_is_buffer_too_small_with_the_size_needed() -> None:

@@ -19,12 +19,15 @@ from kvharbor.hal.nvme.kv_commands import (
     KvNamespaceInfo,
     KvOpcode,
     command_key,
+    encode_controller_identify,
     encode_key_list,
     encode_kv_identify,
+    identify_controller,
     identify_kv_namespace,
     kv_command,
     parse_key_list,
     parse_kv_identify,
+    transfer_bytes_max,
 )
 from kvharbor.hal.nvme.passthru import NVME_IOCTL_ADMIN64_CMD, NVME_IOCTL_IO64_CMD, PassthruCmd64
 
@@ -95,6 +98,20 @@ def test_identify_kv_namespace_byte_for_byte() -> None:
     cmd = identify_kv_namespace(nsid=3, addr=0x1000)
     # Admin Identify 06h, CNS 05h in CDW10[7:0], CSI 01h in CDW11[31:24], 4096 bytes.
     assert bytes(cmd) == kernel_bytes(opcode=0x06, nsid=3, addr=0x1000, data_len=4096, cdw10=0x05, cdw11=0x0100_0000)
+
+
+def test_identify_controller_byte_for_byte_and_mdts() -> None:
+    cmd = identify_controller(addr=0x2000)
+    # Admin Identify 06h, CNS 01h in CDW10[7:0], no namespace, 4096 bytes.
+    assert bytes(cmd) == kernel_bytes(opcode=0x06, addr=0x2000, data_len=4096, cdw10=0x01)
+    data = bytearray(4096)
+    data[77] = 5  # MDTS: 2^5 pages of CAP.MPSMIN.
+    assert transfer_bytes_max(bytes(data)) == 32 * 4096
+    assert transfer_bytes_max(bytes(data), page_bytes=16384) == 32 * 16384
+    assert transfer_bytes_max(encode_controller_identify(0)) is None, "MDTS 0: no limit"
+    assert encode_controller_identify(5) == bytes(data)
+    with pytest.raises(ValueError, match="4096 bytes, got 100"):
+        transfer_bytes_max(bytes(100))
 
 
 def test_kv_identify_layout() -> None:

@@ -12,6 +12,16 @@ The namespace's limits come from Identify (admin opcode 06h) with CNS 05h and
 CSI 01h: the I/O command set specific Identify Namespace data structure for the
 KV command set, whose KV format descriptors give the maximum key length,
 maximum value length and maximum number of keys.
+
+Every command's data transfer is also bounded by the controller's Maximum Data
+Transfer Size (Identify Controller, CNS 01h, byte 77: a power of two in units of
+the minimum memory page size, CAP.MPSMIN; 0: no limit); the base specification
+aborts a command that exceeds it (Invalid Field in Command), and Linux refuses
+such a passthrough before it reaches the controller (EINVAL). A KV Store carries
+its whole value in one command (CDW10 is the value's size; the command set has
+no offset and no append), and a Retrieve returns it whole into one host buffer,
+so a value larger than MDTS can be neither stored nor read back in pieces: the
+driver's largest value is capped at MDTS and the cache fragments to it.
 """
 
 from __future__ import annotations
@@ -36,8 +46,15 @@ class KvOpcode(enum.IntEnum):
 
 
 ADMIN_IDENTIFY = 0x06
+CNS_CONTROLLER = 0x01
 CNS_IO_COMMAND_SET_NAMESPACE = 0x05
 CSI_KEY_VALUE = 0x01
+MDTS_AT = 77
+"""Byte of Identify Controller data holding MDTS."""
+MEMORY_PAGE_BYTES_MIN = 4096
+"""CAP.MPSMIN's smallest page, 2^(12 + 0): the unit MDTS is taken in. CAP is a controller register,
+which no ioctl reads (nvme-cli's show-regs maps the PCI BAR); the smallest page the
+specification allows gives a limit never above the true one."""
 
 
 def _key_dwords(key: bytes) -> tuple[int, int, int, int]:
@@ -84,6 +101,29 @@ def identify_kv_namespace(nsid: int, addr: int) -> PassthruCmd64:
         cdw10=CNS_IO_COMMAND_SET_NAMESPACE,
         cdw11=CSI_KEY_VALUE << 24,
     )
+
+
+def identify_controller(addr: int) -> PassthruCmd64:
+    """Identify (admin 06h), CNS 01h: the controller's data, into the 4096 bytes at ``addr``."""
+    return PassthruCmd64(opcode=ADMIN_IDENTIFY, addr=addr, data_len=IDENTIFY_BYTES, cdw10=CNS_CONTROLLER)
+
+
+def transfer_bytes_max(controller_data: bytes, page_bytes: int = MEMORY_PAGE_BYTES_MIN) -> int | None:
+    """The most one command may transfer, from Identify Controller data (MDTS, byte 77, a power
+    of two in pages of ``page_bytes``); None where the controller names no limit (MDTS 0)."""
+    if len(controller_data) < IDENTIFY_BYTES:
+        raise ValueError(f"Identify Controller data is {IDENTIFY_BYTES} bytes, got {len(controller_data)}")
+    mdts = controller_data[MDTS_AT]
+    return None if mdts == 0 else page_bytes << mdts
+
+
+def encode_controller_identify(mdts: int) -> bytes:
+    """Identify Controller data naming ``mdts`` (the rest zero): the stand-ins answer with it."""
+    if not 0 <= mdts <= 0xFF:
+        raise ValueError(f"MDTS is one byte, not {mdts}")
+    data = bytearray(IDENTIFY_BYTES)
+    data[MDTS_AT] = mdts
+    return bytes(data)
 
 
 def command_key(cmd: PassthruCmd64) -> bytes:

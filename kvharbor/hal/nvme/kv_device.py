@@ -8,8 +8,10 @@ A host-side failure of the ioctl itself is typed too: EINTR and its kin are
 `DeviceTransient`, a vanished device `TargetUnreachable`, anything else
 `DeviceError` naming the errno.
 
-The namespace's largest value (Identify's maximum value length) caps
-``max_value_bytes``; the cache fragments larger values to it.
+The namespace's largest value (KV Identify's maximum value length) and the
+controller's largest transfer (MDTS, see `kvharbor.hal.nvme.kv_commands`) cap
+``max_value_bytes``; the cache fragments larger values to it, and a put above
+it is refused naming the limit that binds (one Store carries one whole value).
 
 As a `CardDevice`, its health and aggregated status come from nvme-cli
 (`kvharbor.hal.nvme.card_view`); the controller's error log is its event log.
@@ -51,10 +53,12 @@ from kvharbor.hal.nvme.kv_commands import (
     KEY_BYTES_MAX,
     KvNamespaceInfo,
     KvOpcode,
+    identify_controller,
     identify_kv_namespace,
     kv_command,
     parse_key_list,
     parse_kv_identify,
+    transfer_bytes_max,
 )
 from kvharbor.hal.nvme.passthru import NVME_IOCTL_ADMIN64_CMD, NVME_IOCTL_IO64_CMD, IoctlFn, PassthruCmd64, kernel_ioctl
 from kvharbor.hal.posix import device_mode
@@ -63,7 +67,7 @@ NVME_IOCTL_ID = (ord("N") << 8) | 0x40
 """``_IO('N', 0x40)``: the namespace id of an NVMe block or generic char device."""
 
 LIST_BUFFER_BYTES = 64 * 1024
-"""Host buffer of one List command while scanning."""
+"""Host buffer of one List command while scanning (less where MDTS is less)."""
 
 _TRANSIENT_ERRNOS = frozenset({errno.EINTR, errno.EAGAIN, errno.EBUSY, errno.ETIMEDOUT})
 _GONE_ERRNOS = frozenset({errno.ENODEV, errno.ENXIO, errno.ENOTCONN, errno.ESHUTDOWN, errno.EIO})
@@ -92,9 +96,20 @@ class NvmeKvDevice(Device, CardDevice):
         ioctl: IoctlFn,
         admin: NvmeAdmin,
         health_interval_s: float = HEALTH_INTERVAL_S_DEFAULT,
+        transfer_bytes_max: int | None = None,
     ) -> None:
+        """``transfer_bytes_max``: the controller's MDTS in bytes (None: no limit)."""
         limits = info.limits
-        super().__init__(name, min(max_value_bytes, limits.value_bytes_max))
+        bounds = [
+            (max_value_bytes, f"max_value_bytes {max_value_bytes}"),
+            (limits.value_bytes_max, f"the namespace's maximum value length {limits.value_bytes_max} (KV Identify)"),
+        ]
+        if transfer_bytes_max is not None:
+            bounds.append((transfer_bytes_max, f"the controller's MDTS, {transfer_bytes_max} bytes per command"))
+        value_bytes_max, self.value_limit = min(bounds)
+        """The limit that binds ``max_value_bytes``, in words."""
+        super().__init__(name, value_bytes_max)
+        self.transfer_bytes_max = transfer_bytes_max
         self.path = path
         self.nsid = nsid
         self.key_bytes_max = min(limits.key_bytes_max, KEY_BYTES_MAX)
@@ -107,6 +122,17 @@ class NvmeKvDevice(Device, CardDevice):
         self.key_eviction = False
 
     # -- the device protocol -----------------------------------------------------
+
+    def check_value_size(self, parts: Sequence[Buffer]) -> int:
+        """Total length of ``parts``; a value above ``max_value_bytes`` is refused naming the limit
+        that binds: the KV command set stores a value in one command, never in pieces."""
+        total = sum(memoryview(p).nbytes for p in parts)
+        if total > self.max_value_bytes:
+            raise ValueError(
+                f"{self.name}: a value of {total} bytes is more than one KV Store may carry ({self.value_limit}); "
+                "the cache layer fragments larger values"
+            )
+        return total
 
     def put(self, key: bytes, parts: Sequence[Buffer]) -> None:
         total = self.check_value_size(parts)
@@ -125,6 +151,8 @@ class NvmeKvDevice(Device, CardDevice):
         """Retrieve into ``into`` directly; DW0 is the value's size even when the buffer is
         shorter (the controller then transfers only the buffer's length)."""
         view = into.cast("B") if into.format != "B" else into
+        if self.transfer_bytes_max is not None:
+            view = view[: self.transfer_bytes_max]  # A larger host buffer is refused (MDTS) with no answer.
         cmd = kv_command(KvOpcode.RETRIEVE, self.nsid, self._key(key), _address(view), view.nbytes)
         status, size = self._submit(cmd)
         if status != SUCCESS and not self._judge.judge(status, "retrieve"):
@@ -246,7 +274,7 @@ class NvmeKvDevice(Device, CardDevice):
         """Every key, by List commands: the first names the all-zero key (the controller
         answers from the start of its order when that key is absent); each next names the
         last key returned and drops it from the answer. The order is the controller's."""
-        room = memoryview(bytearray(LIST_BUFFER_BYTES))
+        room = memoryview(bytearray(min(LIST_BUFFER_BYTES, self.transfer_bytes_max or LIST_BUFFER_BYTES)))
         start, first = bytes(self.key_bytes_max), True
         while True:
             cmd = kv_command(KvOpcode.LIST, self.nsid, start, _address(room), room.nbytes)
@@ -289,6 +317,17 @@ def identify(name: str, fd: int, nsid: int, ioctl: IoctlFn) -> KvNamespaceInfo:
     return parse_kv_identify(bytes(data))
 
 
+def transfer_limit(name: str, fd: int, ioctl: IoctlFn) -> int | None:
+    """The controller's MDTS in bytes (None: no limit), from Identify Controller; a status other
+    than success raises `DeviceError` (every controller answers it)."""
+    data = memoryview(bytearray(IDENTIFY_BYTES))
+    status = submit(name, fd, NVME_IOCTL_ADMIN64_CMD, identify_controller(_address(data)), ioctl)
+    if status != 0:
+        decoded = KvStatus.decode(status)
+        raise DeviceError(name, f"Identify Controller (CNS 01h) answered status {decoded.code} ({decoded.meaning})")
+    return transfer_bytes_max(bytes(data))
+
+
 def open_kv_namespace(
     name: str,
     path: str,
@@ -326,8 +365,21 @@ def open_kv_namespace(
             raise ValueError(
                 f"{where} is an NVMe namespace without the Key Value command set (Identify reports no KV format)"
             )
+        try:
+            transfer_max = transfer_limit(name, fd, ioctl)
+        except DeviceError as err:
+            raise ValueError(f"{where}: its controller does not answer Identify Controller ({err})") from None
         return NvmeKvDevice(
-            name, path, fd, nsid, info, max_value_bytes, ioctl, admin or NvmeAdmin(path), health_interval_s
+            name,
+            path,
+            fd,
+            nsid,
+            info,
+            max_value_bytes,
+            ioctl,
+            admin or NvmeAdmin(path),
+            health_interval_s,
+            transfer_bytes_max=transfer_max,
         )
     except BaseException:
         os.close(fd)
