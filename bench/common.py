@@ -13,10 +13,15 @@ import select
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+ENGINE_TIMEOUT_S = 900
+"""Longest one benchmark engine process may run (a fresh vLLM start and its prompts, on CPU)."""
+BENCH_LINE_PREFIX = "BENCH "
+"""An engine process reports its figures as one line: this prefix, then JSON."""
 
 
 def best_seconds(work: Callable[[], object], repeats: int, min_s: float = 0.05) -> float:
@@ -87,3 +92,31 @@ def gateway_process(config_path: Path, log_path: Path, start_timeout_s: float) -
         child.terminate()
         child.wait(60)
         log.close()
+
+
+def run_engine_process(
+    script: str, spec: Mapping[str, Any], env: Mapping[str, str], workdir: Path, tmp: Path, name: str
+) -> dict[str, Any]:
+    """``script --engine SPEC`` as a fresh offline vLLM engine process: ``spec`` as JSON in
+    ``workdir``, none of this process's ``KVHARBOR``/``VLLM_`` variables, vLLM in one process
+    with its own ``TMPDIR`` (``tmp``: it leaves sockets there), ``env`` added; its output in
+    ``workdir/engine-NAME.log``. Returns the JSON of the last `BENCH_LINE_PREFIX` line it printed."""
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith(("KVHARBOR", "VLLM_"))}
+    child_env.update(HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="2")
+    child_env.update(env, TMPDIR=str(tmp))
+    spec_path = workdir / "engine-spec.json"
+    spec_path.write_text(json.dumps(spec))
+    log_path = workdir / f"engine-{name}.log"
+    with open(log_path, "wb") as log:
+        subprocess.run(
+            [sys.executable, script, "--engine", str(spec_path)],
+            env=child_env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            check=False,
+            timeout=ENGINE_TIMEOUT_S,
+        )
+    lines = [ln for ln in log_path.read_text(errors="replace").splitlines() if ln.startswith(BENCH_LINE_PREFIX)]
+    if not lines:
+        raise SystemExit(f"bench: the engine {name} reported nothing; its log: {log_path}")
+    return dict(json.loads(lines[-1][len(BENCH_LINE_PREFIX) :]))

@@ -35,11 +35,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 import uuid
@@ -51,14 +49,13 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import emit  # noqa: E402
+from bench.common import BENCH_LINE_PREFIX, emit, run_engine_process  # noqa: E402
 from kvharbor.demo.dtype import choose_dtype  # noqa: E402
 from kvharbor.demo.model import build_tiny_model  # noqa: E402
 
 MODEL = {"hidden": 1024, "layers": 8, "heads": 16, "kv_heads": 4, "head_dim": 64, "intermediate": 2816}
 """~110 M parameters: a 6000-token prefill takes seconds on a few CPU cores."""
 WARMUP_TOKENS = 64
-ENGINE_TIMEOUT_S = 900
 SETUPS = ("recompute", "kvharbor_miss", "kvharbor_restore", "example_miss", "example_restore")
 
 
@@ -103,7 +100,7 @@ def engine_main(spec_path: str) -> None:
     # The timed request's restore; and what kvharbor held the engine for in total.
     result["kvharbor_load_s"] = timings["load"][0] if timings["load"] else 0.0
     result["kvharbor_critical_s"] = sum(sum(times) for times in timings.values())
-    print("BENCH " + json.dumps(result), flush=True)
+    print(BENCH_LINE_PREFIX + json.dumps(result), flush=True)
 
 
 def time_connector_steps() -> dict[str, list[float]]:
@@ -174,13 +171,7 @@ class Bench:
 
     def engine(self, setup: str, kvh: Path, example: Path) -> dict[str, Any]:
         self.runs += 1
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("KVHARBOR", "VLLM_"))}
-        env.update(
-            HF_HUB_OFFLINE="1",
-            VLLM_ENABLE_V1_MULTIPROCESSING="0",
-            VLLM_CPU_KVCACHE_SPACE="2",
-            TMPDIR=str(self.tmp),
-        )
+        env: dict[str, str] = {}
         spec: dict[str, Any] = {
             "model": str(self.model),
             "dtype": self.dtype,
@@ -196,22 +187,7 @@ class Bench:
                 "kv_role": "kv_both",
                 "kv_connector_extra_config": {"shared_storage_path": str(example)},
             }
-        spec_path = self.workdir / "engine-spec.json"
-        spec_path.write_text(json.dumps(spec))
-        log_path = self.workdir / f"engine-{self.runs:02d}-{setup}.log"
-        with open(log_path, "wb") as log:
-            subprocess.run(
-                [sys.executable, __file__, "--engine", str(spec_path)],
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                check=False,
-                timeout=ENGINE_TIMEOUT_S,
-            )
-        lines = [line for line in log_path.read_text(errors="replace").splitlines() if line.startswith("BENCH ")]
-        if not lines:
-            raise SystemExit(f"bench: the {setup} engine reported nothing; its log: {log_path}")
-        return dict(json.loads(lines[-1][6:]))
+        return run_engine_process(__file__, spec, env, self.workdir, self.tmp, f"{self.runs:02d}-{setup}")
 
 
 def median(values: list[float]) -> float:

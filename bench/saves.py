@@ -30,10 +30,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import shutil
-import subprocess
 import sys
 import threading
 import time
@@ -46,13 +44,12 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import emit  # noqa: E402
+from bench.common import BENCH_LINE_PREFIX, emit, run_engine_process  # noqa: E402
 from bench.e2e import MODEL, WARMUP_TOKENS, time_connector_steps  # noqa: E402
 from kvharbor.demo.model import build_tiny_model  # noqa: E402
 
 MODES = ("marks", "commit_in_step")
 TIERS = ("file", "ram")
-ENGINE_TIMEOUT_S = 900
 
 
 def commit_before_the_step_returns() -> None:
@@ -100,7 +97,7 @@ def engine_main(spec_path: str) -> None:
 
     timed(spec["warmup"])
     ttft = timed(spec["prompt"])
-    print("BENCH " + json.dumps({"ttft_s": ttft, "save_s": sum(timings["save"])}), flush=True)
+    print(BENCH_LINE_PREFIX + json.dumps({"ttft_s": ttft, "save_s": sum(timings["save"])}), flush=True)
 
 
 def store_config(workdir: Path, tier: str, run: int) -> Path:
@@ -123,21 +120,10 @@ def store_config(workdir: Path, tier: str, run: int) -> Path:
 
 
 def run_engine(workdir: Path, spec: dict[str, Any], config: Path, run: int) -> dict[str, float]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVHARBOR", "VLLM_"))}
     tmp = workdir / "tmp"
     tmp.mkdir(exist_ok=True)
-    env.update(HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="2", TMPDIR=str(tmp),
-               KVHARBOR="1", KVHARBOR_CONFIG=str(config))  # fmt: skip
-    spec_path = workdir / "engine-spec.json"
-    spec_path.write_text(json.dumps(spec))
-    log_path = workdir / f"engine-{run:02d}-{spec['mode']}.log"
-    with open(log_path, "wb") as log:
-        subprocess.run([sys.executable, __file__, "--engine", str(spec_path)], env=env, stdout=log,
-                       stderr=subprocess.STDOUT, check=False, timeout=ENGINE_TIMEOUT_S)  # fmt: skip
-    lines = [line for line in log_path.read_text(errors="replace").splitlines() if line.startswith("BENCH ")]
-    if not lines:
-        raise SystemExit(f"bench: the {spec['mode']} engine reported nothing; its log: {log_path}")
-    return dict(json.loads(lines[-1][6:]))
+    env = {"KVHARBOR": "1", "KVHARBOR_CONFIG": str(config)}
+    return run_engine_process(__file__, spec, env, workdir, tmp, f"{run:02d}-{spec['mode']}")
 
 
 def main() -> None:

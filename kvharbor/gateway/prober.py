@@ -21,6 +21,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
+from kvharbor.cache.breaker import BreakerState
 from kvharbor.cache.tier import Tier
 from kvharbor.telemetry.log import get_logger
 
@@ -34,6 +35,9 @@ class TierProber:
         self.tiers = tuple(tiers)
         self.interval_s = interval_s
         self._stopping = threading.Event()
+        self.resumed = threading.Event()
+        """Set once a probe closed a tier's breaker (the tier serves again): what a caller that
+        waits for a tier's return (a test) waits on, instead of polling the breaker."""
         self._thread = threading.Thread(target=self._run, daemon=True, name="kvharbor-prober")
 
     def start(self) -> TierProber:
@@ -51,7 +55,9 @@ class TierProber:
             if self._stopping.is_set():
                 return
             try:
-                tier.probe()
+                before = tier.breaker.state
+                if tier.probe() is BreakerState.CLOSED and before is not BreakerState.CLOSED:
+                    self.resumed.set()
             except Exception:  # A bug in one driver must not end probing for the others.
                 _log.exception("kvharbor: tier %s: background probe failed unexpectedly", tier.name)
 
