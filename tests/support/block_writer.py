@@ -4,6 +4,9 @@
 
 Writes key n with `value_of(n)` for n = 0, 1, ... and prints ``n`` (flushed)
 after each put returned: a line read by the parent is an acknowledged object.
+Odd keys are put as the cache tier puts from shared memory (a header, then a
+block-aligned payload: written from where it lies, a split object), even keys
+as one plain ``bytes`` (copied, contiguous), so a crash lands in either kind.
 The next, large, put starts at once, so a SIGKILL sent on reading a line lands
 inside an append.
 """
@@ -12,9 +15,13 @@ from __future__ import annotations
 
 import sys
 
+from kvharbor.hal.block.direct import AlignedBuffer
+from kvharbor.hal.block.layout import round_up
 from kvharbor.hal.block.store import BlockStoreDevice
 
 MIB = 1 << 20
+HEADER_BYTES = 64
+"""The cache header's share of a value put in two parts (any small size would do)."""
 
 
 def key_of(n: int) -> bytes:
@@ -33,9 +40,15 @@ def main() -> None:
     store = BlockStoreDevice(
         "card", path, value_max_bytes, region_bytes=region_bytes, create_bytes=store_bytes, key_eviction=True
     )
+    payload = AlignedBuffer(round_up(value_max_bytes))
     n = 0
     while True:
-        store.put(key_of(n), [value_of(n, value_max_bytes)])
+        value = value_of(n, value_max_bytes)
+        if n % 2:
+            payload.view[: len(value) - HEADER_BYTES] = value[HEADER_BYTES:]
+            store.put(key_of(n), [value[:HEADER_BYTES], payload.view[: len(value) - HEADER_BYTES]])
+        else:
+            store.put(key_of(n), [value])
         print(n, flush=True)
         n += 1
 

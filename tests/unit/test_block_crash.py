@@ -1,6 +1,7 @@
 """Crashes of the block store: a real writer process killed with SIGKILL inside an append,
 then the store reopened: the index is rebuilt, every acknowledged object reads back
-whole, and nothing torn is ever served. A second test leaves a torn object by hand
+whole, and nothing torn is ever served (the writer alternates copied and split objects,
+`tests.support.block_writer`). A second test leaves a torn object by hand
 (the state a power cut mid-write leaves), which the rebuild must drop."""
 
 from __future__ import annotations
