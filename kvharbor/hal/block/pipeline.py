@@ -1,25 +1,30 @@
 """Large objects in chunks, so the CPU's work on one chunk overlaps the device's on another.
 
-A put must copy the value into an aligned buffer (O_DIRECT needs one; the
-caller's bytes are not, and the value starts right after the object header,
-off a block edge) and checksum it; a get must checksum what it read and copy it
-out. Done one after the other, that CPU time adds to the device's and a 32 MiB
-value is stored at well under the disk's speed. Here I/O threads write (or
-read) chunk k while the caller's thread copies and hashes chunk k + 1.
+A put must checksum the value and, for O_DIRECT, write it from aligned memory:
+where the value's last part is block-aligned in the caller's memory (a payload
+in shared memory) it is written from there, in place, and hashed while it is
+written (`ValueLayout`'s split); otherwise it is copied into the store's aligned
+staging buffer chunk by chunk, each chunk written as soon as it is filled. A get
+must checksum what it read and copy it out. Done one after the other, that CPU
+time adds to the device's and a 32 MiB value is stored at well under the disk's
+speed; here I/O threads write (or read) chunk k while the caller's thread copies
+and hashes chunk k + 1.
 
 That overlaps only because neither side holds the GIL for long: ``pwritev`` and
 ``preadv`` let it go, and so does xxhash's streaming ``xxh3_64.update`` (its C
 code runs inside ``Py_BEGIN_ALLOW_THREADS``; the one-shot ``xxh3_64_intdigest``
 does not, which is why the chunks are hashed by a streaming hasher). A copy
-between memoryviews holds it, so a copy is at most one chunk.
+between memoryviews holds it: a put's copy into staging is one chunk at a time,
+and a get's copy out is done by the I/O thread that read the chunk, through
+``ctypes.memmove``, which lets it go (`copy_released`), beside the caller's
+thread hashing the chunk before.
 
 What is not overlapped is the first chunk's copy on a write (no I/O can start
-before it) and the last chunk's hash and copy on a read (no I/O is left to
-overlap). `chunk_plan` therefore starts and ends with small chunks,
-`FIRST_CHUNK_BYTES`, doubling up to `CHUNK_BYTES` in between: the work on the
-critical path is a fraction of a millisecond, while the middle of the value
-goes in chunks large enough that a chunk's submission costs little against its
-I/O.
+before it) and the last chunk's hash on a read (no I/O is left to overlap).
+`chunk_plan` therefore starts and ends with small chunks, `FIRST_CHUNK_BYTES`,
+doubling up to `CHUNK_BYTES` in between: the work on the critical path is a
+fraction of a millisecond, while the middle of the value goes in chunks large
+enough that a chunk's submission costs little against its I/O.
 
 Contracts: every chunk's I/O has finished when a function returns or raises,
 so the caller may reuse its buffer at once.
