@@ -53,6 +53,7 @@ from kvharbor.hal.base import Device
 from kvharbor.hal.extents import round_up
 from kvharbor.hal.shm_ram import SharedRamDevice
 from kvharbor.telemetry.log import OnceLog, get_logger
+from kvharbor.telemetry.metrics import GatewayMetrics
 
 _log = get_logger("kvharbor.gateway")
 
@@ -140,6 +141,8 @@ class Gateway:
         self.socket_path = Path(config.gateway.socket)
         self.access = AccessPolicy(config.gateway.access)
         self.counters = GatewayCounters()
+        self.metrics = GatewayMetrics(error_kinds=[code.name for code in p.ErrorCode])
+        """The process's metrics; ``metrics.registry`` is what ``/metrics`` serves."""
         self.segment: Segment | None = None
         self.ring_bytes = 0
         """The segment's first bytes, the transfer ring; RAM tiers follow it."""
@@ -200,6 +203,7 @@ class Gateway:
         except OSError as err:
             raise _cannot("grant gateway.access on", self.socket_path, "gateway.access", err) from None
         listener.listen(gw.clients_max)
+        self.metrics.announce(p.PROTOCOL_VERSION)
         if self._lifetime is not None:
             self._lifetime.start()
         self.refill.start()
