@@ -297,8 +297,8 @@ class HitMetrics:
 class RequestMetrics:
     """One message type's children: requests served and the time each took."""
 
-    served: MetricWrapperBase
-    duration: MetricWrapperBase
+    served: Counter
+    duration: Histogram
 
 
 class GatewayMetrics:
@@ -307,10 +307,16 @@ class GatewayMetrics:
     ``registry``: the one `/metrics` serves; a fresh one by default (one per process).
     """
 
-    def __init__(self, error_kinds: Iterable[str] = (), registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        error_kinds: Iterable[str] = (),
+        request_types: Mapping[int, str] | None = None,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
         """``error_kinds``: the ``kvharbor_errors_total`` kinds bound at start (the protocol's
         `ErrorCode` names; `EXTRA_ERROR_KINDS` are always bound): every kind is a series
-        from the first scrape, so that ``rate()`` sees its first error."""
+        from the first scrape, so that ``rate()`` sees its first error. ``request_types``:
+        the ``type`` label of each protocol message type (see `request`)."""
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         self.info = Gauge("kvharbor_gateway_info", "Which gateway answers (always 1)", ["release", "protocol"],
@@ -323,6 +329,7 @@ class GatewayMetrics:
             "kvharbor_request_duration_seconds", "Gateway time per request, by message type", ["type"],
             registry=r, buckets=LATENCY_BUCKETS_S,
         )  # fmt: skip
+        self._request_names = dict(request_types or {})
         self._request_children: dict[int, RequestMetrics] = {}
         self._request_lock = threading.Lock()
         errors = Counter("kvharbor_errors_total", "Refused requests and faults, by kind", ["kind"], registry=r)
@@ -344,15 +351,24 @@ class GatewayMetrics:
         """Set ``kvharbor_gateway_info`` for this gateway's release and protocol."""
         self.info.labels(__version__, str(protocol)).set(1)
 
-    def request(self, kind: int, name: str) -> RequestMetrics:
-        """Message type ``kind``'s children, bound at its first request (a dict look-up after)."""
+    def served(self, kind: int, seconds: float) -> None:
+        """Count a request of message type ``kind`` that took ``seconds``; a type not in
+        ``request_types`` is not counted (it was refused as malformed, and counted so).
+
+        A type's children are bound at its first request (a dict look-up after): only
+        the types clients send become series, not every reply type of the protocol.
+        """
         children = self._request_children.get(kind)
         if children is None:
+            name = self._request_names.get(kind)
+            if name is None:
+                return
             with self._request_lock:
                 children = self._request_children.setdefault(
                     kind, RequestMetrics(self._requests.labels(name), self._request_duration.labels(name))
                 )
-        return children
+        children.served.inc()
+        children.duration.observe(seconds)
 
     def error(self, kind: str, count: int = 1) -> None:
         """Count ``count`` errors of ``kind`` (an `ErrorCode` name or one of `EXTRA_ERROR_KINDS`)."""

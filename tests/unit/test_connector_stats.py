@@ -15,8 +15,8 @@ def stats(**values: float) -> KVHarborStats:
 
 
 def test_workers_sum_and_a_cache_off_anywhere_shows() -> None:
-    total = stats(loaded_chunks=3, loaded_bytes=3 << 20, load_s=0.5, loads=1)
-    total.aggregate(stats(loaded_chunks=2, loaded_bytes=2 << 20, load_s=0.5, loads=1, cache_off=1))
+    total = stats(loaded_chunks=3, loaded_bytes=3 << 20, load_seconds=0.5, loads=1)
+    total.aggregate(stats(loaded_chunks=2, loaded_bytes=2 << 20, load_seconds=0.5, loads=1, cache_off=1))
     total.aggregate(stats(stored_chunks=4, cache_off=0))
     reduced = total.reduce()
     assert reduced["loaded_chunks"] == 5 and reduced["loaded_MiB"] == 5.0
