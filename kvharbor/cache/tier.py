@@ -549,13 +549,18 @@ class Tier:
 
     # -- state -------------------------------------------------------------
 
-    def status(self) -> TierStatus:
-        health = self.device.health()
+    def usage(self) -> tuple[int, int]:
+        """Bytes used and objects stored, from the index alone (no device command);
+        (-1, -1) when the index cannot answer (a fault, counted)."""
         try:
-            used_bytes, keys = self.index.used_bytes(), self.index.count()
+            return self.index.used_bytes(), self.index.count()
         except DeviceError as err:
             self._index_fault(err)
-            used_bytes, keys = -1, -1
+            return -1, -1
+
+    def status(self) -> TierStatus:
+        health = self.device.health()
+        used_bytes, keys = self.usage()
         return TierStatus(
             name=self.name,
             device_type=self.device_type,

@@ -51,6 +51,7 @@ from kvharbor.gateway.wire import FrameReader, PeerClosed, send_message
 from kvharbor.hal.base import Device
 from kvharbor.hal.extents import round_up
 from kvharbor.hal.shm_ram import SharedRamDevice
+from kvharbor.telemetry.collectors import StoreCollector
 from kvharbor.telemetry.log import OnceLog, get_logger
 from kvharbor.telemetry.metrics import GatewayMetrics
 
@@ -137,6 +138,7 @@ class Gateway:
         self._clients: dict[socket.socket, tuple[_Connection, threading.Thread]] = {}
         self._clients_lock = threading.Lock()
         self._stopping = threading.Event()
+        self.metrics.clients_attached.set_function(self._clients_attached)
         # Held for the whole of `stop`: a second caller (signal thread, main
         # thread, parent watcher) waits until the first has finished cleaning
         # up, so the process never exits half-way through it.
@@ -184,6 +186,7 @@ class Gateway:
             raise _cannot("grant gateway.access on", self.socket_path, "gateway.access", err) from None
         listener.listen(gw.clients_max)
         self.metrics.announce(p.PROTOCOL_VERSION)
+        self.metrics.watch(StoreCollector(self.store.tiers, self.refill, self.config.card.health_interval_s))
         if self._lifetime is not None:
             self._lifetime.start()
         self.refill.start()
@@ -342,6 +345,10 @@ class Gateway:
                 "kvharbor: %d client request(s) still running after %d ms (gateway.stop_timeout_ms); stopping anyway",
                 busy, self.config.gateway.stop_timeout_ms,
             )  # fmt: skip
+
+    def _clients_attached(self) -> int:
+        with self._clients_lock:
+            return sum(connection.greeted for connection, _ in self._clients.values())
 
     def status(self) -> dict[str, Any]:
         assert self.store is not None and self.transfers is not None and self.segment is not None

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.registry import Collector
 
 from kvharbor import __version__
 
@@ -342,6 +343,10 @@ class GatewayMetrics:
             "kvharbor_client_detaches_unclean_total",
             "Clients that went away with transfers open, without detaching (killed engines)", registry=r,
         )  # fmt: skip
+        self.clients_attached = Gauge(
+            "kvharbor_clients_attached", "Clients connected now (past their HELLO)", registry=r
+        )
+        """Read at scrape time: its owner sets a function (`Gauge.set_function`)."""
         self.marked_stored = Counter(
             "kvharbor_marked_values_stored_total", "Values stored from completion marks of a vanished client",
             registry=r,
@@ -350,6 +355,10 @@ class GatewayMetrics:
     def announce(self, protocol: int) -> None:
         """Set ``kvharbor_gateway_info`` for this gateway's release and protocol."""
         self.info.labels(__version__, str(protocol)).set(1)
+
+    def watch(self, collector: Collector) -> None:
+        """Read ``collector``'s gauges at every scrape (`kvharbor.telemetry.collectors`)."""
+        self.registry.register(collector)
 
     def served(self, kind: int, seconds: float) -> None:
         """Count a request of message type ``kind`` that took ``seconds``; a type not in
