@@ -53,7 +53,7 @@ from kvharbor.hal.extents import round_up
 from kvharbor.hal.shm_ram import SharedRamDevice
 from kvharbor.telemetry.collectors import StoreCollector
 from kvharbor.telemetry.log import OnceLog, get_logger
-from kvharbor.telemetry.metrics import GatewayMetrics
+from kvharbor.telemetry.metrics import GatewayCounts, GatewayMetrics
 
 _log = get_logger("kvharbor.gateway")
 
@@ -346,6 +346,11 @@ class Gateway:
                 busy, self.config.gateway.stop_timeout_ms,
             )  # fmt: skip
 
+    @property
+    def counters(self) -> GatewayCounts:
+        """The gateway's own counts now, read from its metrics (one source of numbers)."""
+        return self.metrics.snapshot()
+
     def _clients_attached(self) -> int:
         with self._clients_lock:
             return sum(connection.greeted for connection, _ in self._clients.values())
@@ -355,7 +360,7 @@ class Gateway:
         assert self.refill is not None
         with self._clients_lock:
             connections = [c for c, _ in self._clients.values()]
-        counters = asdict(self.metrics.snapshot())
+        counters = asdict(self.counters)
         return {
             "release": __version__,
             "protocol": p.PROTOCOL_VERSION,

@@ -317,7 +317,7 @@ class GatewayMetrics:
         """``error_kinds``: the ``kvharbor_errors_total`` kinds bound at start (the protocol's
         `ErrorCode` names; `EXTRA_ERROR_KINDS` are always bound): every kind is a series
         from the first scrape, so that ``rate()`` sees its first error. ``request_types``:
-        the ``type`` label of each protocol message type (see `request`)."""
+        the ``type`` label of each protocol message type (see `served`)."""
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         self.info = Gauge("kvharbor_gateway_info", "Which gateway answers (always 1)", ["release", "protocol"],
@@ -332,7 +332,7 @@ class GatewayMetrics:
         )  # fmt: skip
         self._request_names = dict(request_types or {})
         self._request_children: dict[int, RequestMetrics] = {}
-        self._request_lock = threading.Lock()
+        self._bind_lock = threading.Lock()
         errors = Counter("kvharbor_errors_total", "Refused requests and faults, by kind", ["kind"], registry=r)
         self._errors = {kind: errors.labels(kind) for kind in (*error_kinds, *EXTRA_ERROR_KINDS)}
         self._error_family = errors
@@ -372,7 +372,7 @@ class GatewayMetrics:
             name = self._request_names.get(kind)
             if name is None:
                 return
-            with self._request_lock:
+            with self._bind_lock:
                 children = self._request_children.setdefault(
                     kind, RequestMetrics(self._requests.labels(name), self._request_duration.labels(name))
                 )
@@ -383,7 +383,7 @@ class GatewayMetrics:
         """Count ``count`` errors of ``kind`` (an `ErrorCode` name or one of `EXTRA_ERROR_KINDS`)."""
         child = self._errors.get(kind)
         if child is None:
-            with self._request_lock:
+            with self._bind_lock:
                 child = self._errors.setdefault(kind, self._error_family.labels(kind))
         child.inc(count)
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 import functools
 from types import SimpleNamespace
 
+import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvharbor.connector.vllm.stats import KVHarborPromMetrics, KVHarborStats, empty
+from kvharbor.telemetry.engine_stats import check_names
 
 
 def stats(**values: float) -> KVHarborStats:
@@ -54,3 +56,9 @@ def test_prometheus_series_count_each_step_and_hold_cache_off() -> None:
     metrics.observe(stats(cache_off=1).to_dict(), 0)
     metrics.observe(stats(stored_chunks=1).to_dict(), 0)  # A later step without the flag keeps it.
     assert registry.get_sample_value("vllm:kvharbor_cache_off", labels) == 1
+
+
+def test_a_counter_feeding_the_stats_with_a_name_the_table_lacks_is_refused() -> None:
+    check_names(["lookups", "load_seconds"], "a counter")  # Known names pass.
+    with pytest.raises(ValueError, match="a counter counts load_s, not in"):
+        check_names(["lookups", "load_s"], "a counter")
