@@ -692,7 +692,8 @@ class Tier:
         return stored
 
     def _corrupt(self, key: bytes, err: CorruptObject) -> None:
-        """Count, say and drop a damaged object; the device answered, so it is not sick.
+        """Count, say (once per tier, then counted: damage comes in runs) and drop a damaged
+        object; the device answered, so it is not sick.
 
         On a tier with a ``layout`` of its own, an intact object of another layout
         is stale, not damaged (the tier's settings changed since it was stored):
@@ -707,7 +708,9 @@ class Tier:
             )
         else:
             self._count(corrupt=1)
-            _log.warning("kvharbor: corrupt chunk %s in tier '%s' (%s) -> treated as miss", key.hex(), self.name, err)
+            self._once.say(
+                f"corrupt:{self.name}", f"corrupt chunk {key.hex()} in tier '{self.name}' ({err}) -> treated as miss"
+            )
         self.delete([key])
         self._ok()
 
