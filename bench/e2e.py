@@ -112,7 +112,7 @@ def time_connector_steps() -> dict[str, list[float]]:
     (worker; the storage write itself runs behind the engine).
 
     vLLM's ``LLM.get_metrics()`` rounds counters to integers, so the connector's own
-    ``load_s`` counter reads 0 here; the bench times the calls themselves.
+    ``load_seconds`` counter reads 0 here; the bench times the calls themselves.
     """
     from kvharbor.connector.vllm.scheduler import SchedulerSide
     from kvharbor.connector.vllm.worker import WorkerSide

@@ -22,6 +22,7 @@ from kvharbor.config import MIB, Config, NvmeTierSection, TierSection
 from kvharbor.hal.base import CardDevice, Device, DeviceError, PersistentDevice, SelfDescribingDevice
 from kvharbor.hal.registry import open_device
 from kvharbor.telemetry.log import get_logger
+from kvharbor.telemetry.metrics import GatewayMetrics, TierMetrics
 
 _log = get_logger("kvharbor.cache.assembly")
 
@@ -69,8 +70,11 @@ def tier_capacity(section: TierSection, device: Device) -> int:
     return section.capacity_bytes
 
 
-def open_tier(section: TierSection, config: Config, device: Device | None = None) -> Tier:
-    """Open one configured tier; raises ValueError, DeviceError or ProbeFailed.
+def open_tier(
+    section: TierSection, config: Config, device: Device | None = None, metrics: TierMetrics | None = None
+) -> Tier:
+    """Open one configured tier, counting in ``metrics`` (see `Tier`); raises ValueError,
+    DeviceError or ProbeFailed.
 
     A card device gets the `card` section's settings first: key eviction as
     configured, and its fragment size (its largest object) in the layout of
@@ -114,16 +118,24 @@ def open_tier(section: TierSection, config: Config, device: Device | None = None
         reopen,
         layout=card_layout(device.max_value_bytes) if is_card else b"",
         device_evicts=isinstance(device, CardDevice) and device.evicts_on_its_own and config.card.key_eviction,
+        metrics=metrics,
     )
 
 
-def open_store(config: Config, start_clean: bool = False, devices: Mapping[str, Device] | None = None) -> TieredStore:
+def open_store(
+    config: Config,
+    start_clean: bool = False,
+    devices: Mapping[str, Device] | None = None,
+    metrics: GatewayMetrics | None = None,
+) -> TieredStore:
     """Open every configured tier; ``devices`` supplies ready drivers by tier name
-    (the gateway's shared-memory RAM tiers), the registry opens the rest."""
+    (the gateway's shared-memory RAM tiers), the registry opens the rest. The store
+    and its tiers count in ``metrics`` (the gateway's), or in a registry of their own."""
+    metrics = metrics if metrics is not None else GatewayMetrics()
     tiers: list[Tier] = []
     for section in config.storage.tiers:
         try:
-            tier = open_tier(section, config, (devices or {}).get(section.name))
+            tier = open_tier(section, config, (devices or {}).get(section.name), metrics.tiers.tier(section.name))
         except ProbeFailed as err:
             _log.warning("kvharbor: tier %s failed its startup probe (%s); skipping", section.name, err)
             continue
@@ -146,4 +158,4 @@ def open_store(config: Config, start_clean: bool = False, devices: Mapping[str, 
             ", ".join(f"{t.name}[{t.device_type}, {t.capacity_bytes / 2**30:g} GiB]" for t in tiers),
             config.storage.write_policy,
         )
-    return TieredStore(tiers, config.storage.write_policy)
+    return TieredStore(tiers, config.storage.write_policy, metrics.hits)

@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Literal
 
-from kvharbor.cache.accounting import HitAccounting
 from kvharbor.cache.index import Entry
 from kvharbor.cache.tier import BufferSource, Reservation, SharedHit, Tier, TierStatus, new_buffer
 from kvharbor.hal.base import Buffer
 from kvharbor.telemetry.log import OnceLog, get_logger
+from kvharbor.telemetry.metrics import HitCounts, HitMetrics
 
 _log = get_logger("kvharbor.cache.store")
 
@@ -40,7 +40,7 @@ WritePolicy = Literal["write_through", "write_back"]
 class StoreStatus:
     tiers: list[TierStatus]
     write_policy: str
-    hits: dict[str, int] = field(default_factory=dict)
+    hits: HitCounts = field(default_factory=HitCounts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,12 +54,16 @@ class Probe:
 
 
 class TieredStore:
-    def __init__(self, tiers: Sequence[Tier], write_policy: WritePolicy = "write_through") -> None:
+    def __init__(
+        self, tiers: Sequence[Tier], write_policy: WritePolicy = "write_through", hits: HitMetrics | None = None
+    ) -> None:
+        """``hits``: where lookups are counted in tokens (the gateway's metrics); a
+        registry of its own without."""
         names = [t.name for t in tiers]
         assert len(set(names)) == len(names), names
         self.tiers = list(tiers)
         self.write_policy = write_policy
-        self.accounting = HitAccounting()
+        self.hits = hits if hits is not None else HitMetrics.standalone()
         self._closed = False
         self._close_lock = threading.Lock()
         self._once = OnceLog(_log)
@@ -100,7 +104,7 @@ class TieredStore:
         present = self.contains(rest) if rest else []
         hits = resident + next((i for i, p in enumerate(present) if not p), len(rest))
         assert 0 <= resident <= hits <= len(keys)
-        self.accounting.record(len(keys) * chunk_tokens, hits * chunk_tokens)
+        self.hits.record(len(keys) * chunk_tokens, hits * chunk_tokens)
         return Probe(hits, resident)
 
     def verify(
@@ -227,7 +231,7 @@ class TieredStore:
         return StoreStatus(
             tiers=[t.status() for t in self.tiers],
             write_policy=self.write_policy,
-            hits=self.accounting.snapshot(),
+            hits=self.hits.snapshot(),
         )
 
     def close(self) -> None:

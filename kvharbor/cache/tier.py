@@ -10,10 +10,9 @@ that nothing above the tier ever sees an exception from storage.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 from kvharbor.cache.breaker import Attempt, BreakerState, CircuitBreaker
 from kvharbor.cache.format import (
@@ -46,6 +45,7 @@ from kvharbor.hal.base import (
     TargetUnreachable,
 )
 from kvharbor.telemetry.log import OnceLog, get_logger
+from kvharbor.telemetry.metrics import Outcome, TierCounts, TierMetrics, TierOp
 
 _log = get_logger("kvharbor.cache.tier")
 
@@ -53,36 +53,18 @@ LRU_SCAN_ENTRIES = (16, 4096)
 """Entries looked at, least recent first, to free room for one value written in place: a
 few usually do (values are of a size); more only when the oldest are pinned."""
 
+_DEVICE_VERBS = {
+    TierOp.PUT: "write", TierOp.GET: "read", TierOp.DELETE: "delete", TierOp.LOOKUP: "exists",
+    TierOp.PROBE: "probe", TierOp.INDEX: "index",
+}  # fmt: skip
+"""What each operation asks of the device, as its fault's log line says it."""
+
 BufferSource = Callable[[int], memoryview]
 """Hands out a writable buffer of exactly the asked size for a read to land in."""
 
 
 def new_buffer(nbytes: int) -> memoryview:
     return memoryview(bytearray(nbytes))
-
-
-@dataclass(slots=True)
-class TierCounters:
-    """Monotonic counters; exported as ``kvharbor_tier_*_total{tier=...}``."""
-
-    puts: int = 0
-    put_bytes: int = 0
-    gets: int = 0
-    hits: int = 0
-    hit_bytes: int = 0
-    corrupt: int = 0
-    evictions: int = 0
-    evicted_bytes: int = 0
-    errors: int = 0
-    full: int = 0
-    skipped: int = 0
-    """Operations not attempted because the breaker was open."""
-    stale: int = 0
-    """Objects found written under another layout of this tier (a card's fragment size
-    changed): misses, dropped, not corrupt."""
-
-    def snapshot(self) -> dict[str, int]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +117,7 @@ class TierStatus:
     health: str
     health_detail: str
     breaker: str
-    counters: dict[str, int] = field(default_factory=dict)
+    counters: TierCounts = field(default_factory=TierCounts)
     device_statuses: dict[str, int] = field(default_factory=dict)
     """A card's answers other than success, by status code (misses included)."""
 
@@ -153,12 +135,14 @@ class Tier:
         reopen_index: Callable[[], TierIndex] | None = None,
         layout: bytes = b"",
         device_evicts: bool = False,
+        metrics: TierMetrics | None = None,
     ) -> None:
         """``layout``: this tier's own settings that change the bytes it stores (a card's
         fragment size, `kvharbor.cache.keys.card_layout`); they enter the fingerprint of
         every object it stores, so that a change of them makes this tier's objects misses
         and no other tier's. ``device_evicts``: the device drops keys on its own (a card
-        with key eviction on), so it, not the index, says what is here."""
+        with key eviction on), so it, not the index, says what is here. ``metrics``: where
+        this tier counts (the gateway's registry); a registry of its own without one."""
         assert capacity_bytes > 0, capacity_bytes
         self.name = name
         self.device = device
@@ -168,14 +152,18 @@ class Tier:
         self.codec = codec
         self.device_type = device_type or type(device).__name__
         self._reopen_index = reopen_index
-        self.counters = TierCounters()
-        self._counter_lock = threading.Lock()
+        self.metrics = metrics if metrics is not None else TierMetrics.standalone(name)
         self._once = OnceLog(_log)
         self.layout = layout
         self.device_evicts = device_evicts
         self._stored_fingerprints: dict[bytes, bytes] = {}
         """Engine fingerprint -> the one this tier stores under (a few layouts per process)."""
         self._engine_fingerprints: dict[bytes, bytes] = {}
+
+    @property
+    def counters(self) -> TierCounts:
+        """This tier's counts now, read from its metrics (one source of numbers)."""
+        return self.metrics.snapshot()
 
     # -- reads -------------------------------------------------------------
 
@@ -216,15 +204,16 @@ class Tier:
         asked = [key for key, here in zip(keys, present, strict=True) if here]
         if not asked:
             return present
-        with self._attempt() as attempt:
+        with self._attempt(TierOp.LOOKUP) as attempt:
             if not attempt.allowed:
                 return [False] * len(keys)
             try:
                 kept = self.device.exists(asked)
             except DeviceError as err:
-                self._fault("exists", err)
+                self._fault(TierOp.LOOKUP, err)
                 return [False] * len(keys)
             self._ok()
+            self.metrics.outcome(TierOp.LOOKUP, Outcome.OK)
         gone = {key for key, here in zip(asked, kept, strict=True) if not here}
         if gone:
             self._remove_from_index(list(gone))
@@ -249,33 +238,37 @@ class Tier:
         reads it. ``touch=False`` leaves recency to the caller, who can mark a
         whole prefix at once, its head last (see `TieredStore.get_many`).
         """
-        with self._attempt() as attempt:
+        with self._attempt(TierOp.GET) as attempt:
             if not attempt.allowed:
                 return None
-            return self._read_verified(key, self._stored_fingerprint(fingerprint), source, touch)
+            with self.metrics.duration[TierOp.GET].time():
+                return self._read_verified(key, self._stored_fingerprint(fingerprint), source, touch)
 
     def _read_verified(self, key: bytes, fingerprint: bytes, source: BufferSource, touch: bool) -> memoryview | None:
         """`read`'s body, run under the breaker's attempt."""
-        self._count(gets=1)
         try:
             value = decode(key, fingerprint, self._read_part_fn(key, source))
         except CorruptObject as err:
-            self._corrupt(key, err)
+            self.metrics.outcome(TierOp.GET, self._corrupt(key, err))
             return None
         except BufferTooSmall:
-            return None  # Rewritten larger between size and read by another process: a miss, no outcome.
+            # Rewritten larger between size and read by another process: a miss, and no
+            # judgement of the device.
+            self.metrics.outcome(TierOp.GET, Outcome.MISS)
+            return None
         except DeviceError as err:
-            self._fault("read", err)
+            self._fault(TierOp.GET, err)
             return None
         self._ok()
         if value is None:
             # The index said present, the device says gone (evicted by another
             # process, deleted by hand): forget it so lookups stop promising it.
             self._remove_from_index([key])
+            self.metrics.outcome(TierOp.GET, Outcome.MISS)
             return None
         if touch:
             self.touch([key])
-        self._count(hits=1, hit_bytes=value.nbytes)
+        self.metrics.hit(value.nbytes)
         return value
 
     def read_shared(self, key: bytes, fingerprint: bytes, touch: bool = True) -> SharedHit | None:
@@ -289,7 +282,7 @@ class Tier:
         device = self.device
         if not isinstance(device, SharedSpans):
             return None
-        with self._attempt() as attempt:
+        with self._attempt(TierOp.GET) as attempt:
             if not attempt.allowed:
                 return None
             return self._pin_verified(device, key, self._stored_fingerprint(fingerprint), touch)
@@ -300,12 +293,13 @@ class Tier:
         if span is None:
             self._remove_from_index([key])
             self._ok()
+            self.metrics.outcome(TierOp.GET, Outcome.MISS)
             return None
         try:
             header = check_header(device.view(span), key, fingerprint, 0)
         except CorruptObject as err:
             device.unpin(span)
-            self._corrupt(key, err)
+            self.metrics.outcome(TierOp.GET, self._corrupt(key, err))
             return None
         if header.fragment_count != 1 or header.codec is not Codec.NONE:
             device.unpin(span)
@@ -313,7 +307,7 @@ class Tier:
         self._ok()
         if touch:
             self.touch([key])
-        self._count(gets=1, hits=1, hit_bytes=header.raw_length)
+        self.metrics.hit(header.raw_length)
         return SharedHit(device, span, span.offset + HEADER_BYTES, header.raw_length)
 
     def read_evicted(self, entry: Entry) -> tuple[bytes, memoryview] | None:
@@ -333,7 +327,7 @@ class Tier:
         and recency is left as it was. A damaged object is counted, dropped and answered
         `Damaged`; None: gone, unreadable (a fault, fed to the breaker) or stored under a
         fingerprint this process cannot tell (see `_read_described`)."""
-        with self._attempt() as attempt:
+        with self._attempt(TierOp.GET) as attempt:
             if not attempt.allowed:
                 return None
             try:
@@ -342,7 +336,7 @@ class Tier:
                 self._corrupt(key, err)
                 return Damaged()
             except DeviceError as err:
-                self._fault("read", err)
+                self._fault(TierOp.GET, err)
                 return None
             self._ok()
             return described
@@ -386,11 +380,12 @@ class Tier:
         room and only if the key is not here yet (see `TierIndex.admit`); False,
         quietly, when it does not fit: the refill's end, not a fault.
         """
-        with self._attempt() as attempt:
+        with self._attempt(TierOp.PUT) as attempt:
             if not attempt.allowed:
                 return False
-            stored = self._stored_fingerprint(fingerprint)
-            return self._write_encoded(key, stored, value, pinned, on_evict, behind)
+            with self.metrics.duration[TierOp.PUT].time():
+                stored = self._stored_fingerprint(fingerprint)
+                return self._write_encoded(key, stored, value, pinned, on_evict, behind)
 
     def _write_encoded(
         self,
@@ -415,7 +410,7 @@ class Tier:
             for part in parts:
                 self.device.put(part.device_key, [part.header, part.payload])
         except DeviceFull as err:
-            self._count(full=1)
+            self.metrics.outcome(TierOp.PUT, Outcome.FULL)
             self._once.say(
                 f"full:{self.name}",
                 f"tier '{self.name}' is full ({err}); new chunks are not stored there",
@@ -425,7 +420,7 @@ class Tier:
             return False
         except DeviceError as err:
             self._forget(entry)
-            self._fault("write", err)
+            self._fault(TierOp.PUT, err)
             return False
         if not self._verify_shared(key, fingerprint, len(parts)):
             self._forget(entry)
@@ -444,7 +439,7 @@ class Tier:
         if total > device.max_value_bytes or total > self.capacity_bytes:
             return None
         with ExitStack() as ending:
-            attempt = ending.enter_context(self._attempt())
+            attempt = ending.enter_context(self._attempt(TierOp.PUT))
             if not attempt.allowed:
                 return None
             span = device.reserve(total)
@@ -481,7 +476,7 @@ class Tier:
         device = self.device
         assert reservation.tier is self and isinstance(device, InPlaceWrites)
         key, fingerprint, span = reservation.key, reservation.fingerprint, reservation.span
-        with reservation.attempt:
+        with reservation.attempt, self.metrics.duration[TierOp.PUT].time():
             stored = self._stored_fingerprint(fingerprint)
             (part,) = encode(key, stored, reservation.payload, Codec.NONE, device.max_value_bytes, value_checksum)
             entry = Entry(key, part.nbytes, 1)
@@ -504,7 +499,7 @@ class Tier:
         """Delete the bytes of entries the index already let go."""
         for victim in victims:
             self._delete_parts(victim.key, victim.parts)
-            self._count(evictions=1, evicted_bytes=victim.nbytes)
+            self.metrics.evicted(victim.nbytes)
 
     def delete(self, keys: Sequence[bytes]) -> None:
         for key in keys:
@@ -544,21 +539,28 @@ class Tier:
             except ProbeFailed as failed:
                 if isinstance(failed.error, DeviceFull):
                     self._ok()  # Full, but it answered: the tier serves its reads again.
+                    self.metrics.outcome(TierOp.PROBE, Outcome.OK)
                 else:
-                    self._fault("probe", failed.error or DeviceError(self.name, str(failed)))
+                    self._fault(TierOp.PROBE, failed.error or DeviceError(self.name, str(failed)))
             else:
                 self._ok()
+                self.metrics.outcome(TierOp.PROBE, Outcome.OK)
         return self.breaker.state
 
     # -- state -------------------------------------------------------------
 
-    def status(self) -> TierStatus:
-        health = self.device.health()
+    def usage(self) -> tuple[int, int]:
+        """Bytes used and objects stored, from the index alone (no device command);
+        (-1, -1) when the index cannot answer (a fault, counted)."""
         try:
-            used_bytes, keys = self.index.used_bytes(), self.index.count()
+            return self.index.used_bytes(), self.index.count()
         except DeviceError as err:
             self._index_fault(err)
-            used_bytes, keys = -1, -1
+            return -1, -1
+
+    def status(self) -> TierStatus:
+        health = self.device.health()
+        used_bytes, keys = self.usage()
         return TierStatus(
             name=self.name,
             device_type=self.device_type,
@@ -569,7 +571,7 @@ class Tier:
             health=health.state.value,
             health_detail=health.detail,
             breaker=self.breaker.state.value,
-            counters=self.counters.snapshot(),
+            counters=self.counters,
             device_statuses=self.device.status_counts() if isinstance(self.device, CardDevice) else {},
         )
 
@@ -599,11 +601,11 @@ class Tier:
 
         return read_part
 
-    def _attempt(self) -> Attempt:
-        """The breaker's attempt for one operation; one not allowed is counted as skipped."""
+    def _attempt(self, op: TierOp) -> Attempt:
+        """The breaker's attempt for one ``op``; one not allowed is counted as skipped."""
         attempt = self.breaker.attempt()
         if not attempt.allowed:
-            self._count(skipped=1)
+            self.metrics.outcome(op, Outcome.SKIPPED)
         return attempt
 
     def _admit(
@@ -642,7 +644,7 @@ class Tier:
         """A value is stored: the tier is not full, and answers."""
         self._once.clear(f"full:{self.name}")
         self._ok()
-        self._count(puts=1, put_bytes=entry.nbytes)
+        self.metrics.stored(entry.nbytes)
         return True
 
     def _least_recent(self, nbytes: int, pinned: frozenset[bytes]) -> list[Entry]:
@@ -675,10 +677,13 @@ class Tier:
     def _delete_quietly(self, device_key: bytes) -> bool:
         """Delete one device object; a fault is fed to the breaker, not raised."""
         try:
-            return self.device.delete(device_key)
+            with self.metrics.duration[TierOp.DELETE].time():
+                deleted = self.device.delete(device_key)
         except DeviceError as err:
-            self._fault("delete", err)
+            self._fault(TierOp.DELETE, err)
             return False
+        self.metrics.outcome(TierOp.DELETE, Outcome.OK if deleted else Outcome.MISS)
+        return deleted
 
     def _stored_fingerprint(self, fingerprint: bytes) -> bytes:
         """The fingerprint this tier stores ``fingerprint``'s objects under (see ``layout``)."""
@@ -691,28 +696,32 @@ class Tier:
             self._engine_fingerprints[stored] = bytes(fingerprint)
         return stored
 
-    def _corrupt(self, key: bytes, err: CorruptObject) -> None:
+    def _corrupt(self, key: bytes, err: CorruptObject) -> Outcome:
         """Count, say (once per tier, then counted: damage comes in runs) and drop a damaged
-        object; the device answered, so it is not sick.
+        object; the device answered, so it is not sick. Returns the outcome a get that found
+        it ends with.
 
         On a tier with a ``layout`` of its own, an intact object of another layout
         is stale, not damaged (the tier's settings changed since it was stored):
         counted as such and said once, not per object. Elsewhere keys embed the
         layout, so a key under another layout is damage.
         """
+        outcome = Outcome.CORRUPT
         if isinstance(err, ForeignLayout) and self.layout:
-            self._count(stale=1)
+            outcome = Outcome.STALE
+            self.metrics.stale()
             self._once.say(
                 f"stale:{self.name}",
                 f"tier '{self.name}' holds objects stored under other settings of it; they are misses, dropped",
             )
         else:
-            self._count(corrupt=1)
+            self.metrics.corrupt()
             self._once.say(
                 f"corrupt:{self.name}", f"corrupt chunk {key.hex()} in tier '{self.name}' ({err}) -> treated as miss"
             )
         self.delete([key])
         self._ok()
+        return outcome
 
     def _verify_shared(self, key: bytes, fingerprint: bytes, parts: int) -> bool:
         """Verify a value just written to shared memory, in the copy readers will see.
@@ -746,14 +755,14 @@ class Tier:
     def _index_fault(self, err: DeviceError) -> None:
         """The index (a manifest on disk) failed: a fault like any other, and a
         damaged manifest is rebuilt from the device."""
-        self._fault("index", err)
+        self._fault(TierOp.INDEX, err)
         if isinstance(err, DeviceCorrupt) and self._reopen_index is not None:
             _log.warning("kvharbor: tier '%s': index damaged (%s); rebuilding it", self.name, err)
             try:
                 self.index.close()
                 self.index = self._reopen_index()
             except DeviceError as again:
-                self._fault("index rebuild", again)
+                self._fault(TierOp.INDEX, again, "index rebuild")
 
     def _ok(self) -> None:
         before = self.breaker.state
@@ -761,8 +770,11 @@ class Tier:
             self._once.clear(f"fault:{self.name}")
             self._once.clear(f"open:{self.name}", f"tier '{self.name}' answers again; breaker closed")
 
-    def _fault(self, operation: str, err: DeviceError) -> None:
-        self._count(errors=1)
+    def _fault(self, op: TierOp, err: DeviceError, operation: str = "") -> None:
+        """A device fault in ``op``: counted, fed to the breaker, said once (naming
+        ``operation``, by default what ``op`` asks of the device)."""
+        self.metrics.outcome(op, Outcome.ERROR)
+        operation = operation or _DEVICE_VERBS[op]
         if isinstance(err, TargetUnreachable):
             # The device says it is gone (a card's target restarting): unavailable now,
             # probed again after the breaker's wait, not after a window of failures.
@@ -784,8 +796,3 @@ class Tier:
                 f"skipped for {self.breaker.wait_s:g} s",
                 logging.ERROR,
             )
-
-    def _count(self, **deltas: int) -> None:
-        with self._counter_lock:
-            for name, delta in deltas.items():
-                setattr(self.counters, name, getattr(self.counters, name) + delta)

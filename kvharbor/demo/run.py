@@ -198,7 +198,7 @@ def run_demo(workdir: Path, prompt_tokens: int = 3000, say: Callable[[str], None
         say(
             f"      kvharbor restored {metrics.get('vllm:kvharbor_loaded_chunks_total', 0):.0f} chunks "
             f"({metrics.get('vllm:kvharbor_loaded_bytes_total', 0) / 2**20:.0f} MiB) "
-            f"in {metrics.get('vllm:kvharbor_load_s_total', 0) * 1000:.0f} ms"
+            f"in {metrics.get('vllm:kvharbor_load_seconds_total', 0) * 1000:.0f} ms"
         )
     finally:
         server.stop()

@@ -23,7 +23,6 @@ import os
 import socket
 import threading
 import time
-from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,7 +51,9 @@ from kvharbor.gateway.wire import FrameReader, PeerClosed, send_message
 from kvharbor.hal.base import Device
 from kvharbor.hal.extents import round_up
 from kvharbor.hal.shm_ram import SharedRamDevice
+from kvharbor.telemetry.collectors import StoreCollector
 from kvharbor.telemetry.log import OnceLog, get_logger
+from kvharbor.telemetry.metrics import GatewayCounts, GatewayMetrics
 
 _log = get_logger("kvharbor.gateway")
 
@@ -111,26 +112,6 @@ class _Connection:
     """Reports the progress of the request being served."""
 
 
-@dataclass(slots=True)
-class GatewayCounters:
-    """Monotonic counters, updated under `Gateway._counters_lock` (clients run on threads)."""
-
-    clients_total: int = 0
-    rejected: Counter[str] = field(default_factory=Counter)
-    """Refused messages by `ErrorCode` name."""
-    ring_full: int = 0
-    """Values not transferred because the ring had no room by the request's deadline."""
-    put_bytes: int = 0
-    get_bytes: int = 0
-    clients_died_mid_transfer: int = 0
-    marked_stored: int = 0
-    """Values of puts whose client went away before committing, stored from their completion marks."""
-    marks_refused: int = 0
-    """Completion marks for a place not lent, or with a checksum the bytes do not match: not stored."""
-    unmarked_dropped: int = 0
-    """Values of such puts not marked complete (maybe half-written): given back unread."""
-
-
 class Gateway:
     def __init__(self, config: Config, start_clean: bool = False, linger_s: float = 0.0) -> None:
         """``linger_s`` > 0: an embedded gateway whose life its clients decide (`Lifetime`);
@@ -139,7 +120,11 @@ class Gateway:
         self.start_clean = start_clean
         self.socket_path = Path(config.gateway.socket)
         self.access = AccessPolicy(config.gateway.access)
-        self.counters = GatewayCounters()
+        self.metrics = GatewayMetrics(
+            error_kinds=[code.name for code in p.ErrorCode],
+            request_types={kind.value: kind.name.lower() for kind in p.MessageType},
+        )
+        """The process's metrics; ``metrics.registry`` is what ``/metrics`` serves."""
         self.segment: Segment | None = None
         self.ring_bytes = 0
         """The segment's first bytes, the transfer ring; RAM tiers follow it."""
@@ -152,8 +137,8 @@ class Gateway:
         self._lock_file: int | None = None
         self._clients: dict[socket.socket, tuple[_Connection, threading.Thread]] = {}
         self._clients_lock = threading.Lock()
-        self._counters_lock = threading.Lock()
         self._stopping = threading.Event()
+        self.metrics.clients_attached.set_function(self._clients_attached)
         # Held for the whole of `stop`: a second caller (signal thread, main
         # thread, parent watcher) waits until the first has finished cleaning
         # up, so the process never exits half-way through it.
@@ -179,11 +164,11 @@ class Gateway:
         free, total = shm_space(shm_dir)
         shared = self._create_segment(shm_dir, free, total)
         assert self.segment is not None
-        self.store = open_store(self.config, start_clean=self.start_clean, devices=shared)
+        self.store = open_store(self.config, start_clean=self.start_clean, devices=shared, metrics=self.metrics)
         self._prober = TierProber(
             self.store.tiers, self.config.storage.backpressure.circuit_breaker.background_probe_interval_s
         )
-        self.transfers = Transfers(self.config, self.store, self.segment, self.ring_bytes, self._count)
+        self.transfers = Transfers(self.config, self.store, self.segment, self.ring_bytes, self.metrics)
         storage = self.config.storage
         self.refill = RamRefill(self.store, storage.refill_ram, storage.refill_ram_mb_per_s)
         # Ours to replace: we hold the lock, so a socket file here is a dead gateway's.
@@ -200,6 +185,8 @@ class Gateway:
         except OSError as err:
             raise _cannot("grant gateway.access on", self.socket_path, "gateway.access", err) from None
         listener.listen(gw.clients_max)
+        self.metrics.announce(p.PROTOCOL_VERSION)
+        self.metrics.watch(StoreCollector(self.store.tiers, self.refill, self.config.card.health_interval_s))
         if self._lifetime is not None:
             self._lifetime.start()
         self.refill.start()
@@ -293,15 +280,14 @@ class Gateway:
             self._reject(_Connection(sock), busy, 0)
             sock.close()
             return
-        self._count(clients_total=1)
+        self.metrics.admitted()
         thread.start()
 
     def _deny(self, sock: socket.socket, peer: Peer) -> None:
         """Refuse a process whose user ``gateway.access`` does not admit, before reading from it;
         said once per uid (a client retrying in a loop must not flood the log)."""
         reason = self.access.refusal(peer, self.socket_path)
-        with self._counters_lock:
-            self.counters.rejected[p.ErrorCode.ACCESS_DENIED.name] += 1
+        self.metrics.error(p.ErrorCode.ACCESS_DENIED.name)
         self._once.say(f"access:{peer.uid}", f"refused a client: {reason}")
         with contextlib.suppress(OSError):
             send_message(sock, p.Error(p.ErrorCode.ACCESS_DENIED, reason), 0)
@@ -360,14 +346,21 @@ class Gateway:
                 busy, self.config.gateway.stop_timeout_ms,
             )  # fmt: skip
 
+    @property
+    def counters(self) -> GatewayCounts:
+        """The gateway's own counts now, read from its metrics (one source of numbers)."""
+        return self.metrics.snapshot()
+
+    def _clients_attached(self) -> int:
+        with self._clients_lock:
+            return sum(connection.greeted for connection, _ in self._clients.values())
+
     def status(self) -> dict[str, Any]:
         assert self.store is not None and self.transfers is not None and self.segment is not None
         assert self.refill is not None
         with self._clients_lock:
             connections = [c for c, _ in self._clients.values()]
-        with self._counters_lock:
-            counters = asdict(self.counters)
-            counters["rejected"] = dict(self.counters.rejected)
+        counters = asdict(self.counters)
         return {
             "release": __version__,
             "protocol": p.PROTOCOL_VERSION,
@@ -405,6 +398,7 @@ class Gateway:
                     self._reject(connection, err, 0)
                     return
                 progress.start(frame.request_id)
+                started = time.perf_counter()
                 try:
                     reply = self._answer(connection, frame.type, body)
                 except p.ProtocolError as err:
@@ -414,7 +408,11 @@ class Gateway:
                     if err.code in CLOSING_REFUSALS:
                         return
                     continue
-                send_message(sock, reply, frame.request_id)
+                else:
+                    send_message(sock, reply, frame.request_id)
+                finally:
+                    # Refused requests too: their time was the gateway's as well.
+                    self.metrics.served(frame.type, time.perf_counter() - started)
         except (PeerClosed, OSError):
             pass  # The client went away; its extents are freed below.
         finally:
@@ -460,9 +458,10 @@ class Gateway:
             finally:
                 freed += transfers.free(batch)
         if open_batches:
-            self._count(
-                clients_died_mid_transfer=1, marked_stored=stored, marks_refused=refused, unmarked_dropped=unmarked
-            )
+            self.metrics.detaches_unclean.inc()
+            self.metrics.marked_stored.inc(stored)
+            self.metrics.error("marks_refused", refused)
+            self.metrics.error("unmarked_dropped", unmarked)
             _log.warning(
                 "kvharbor: %s went away with %d open transfer(s); stored %d value(s) it had marked complete, "
                 "refused %d mark(s) (wrong place or checksum), dropped %d unfinished value(s); freed %d bytes "
@@ -577,16 +576,10 @@ class Gateway:
         del batches[batch_id]
         return batch
 
-    def _count(self, **deltas: int) -> None:
-        with self._counters_lock:
-            for name, delta in deltas.items():
-                setattr(self.counters, name, getattr(self.counters, name) + delta)
-
     def _reject(self, connection: _Connection, err: p.ProtocolError, request_id: int) -> None:
         """Answer a refused message with its reason and count it. Logged once per client and
         kind: a client that keeps sending the same bad message must not flood the log."""
-        with self._counters_lock:
-            self.counters.rejected[err.code.name] += 1
+        self.metrics.error(err.code.name)
         if err.code not in connection.refusals_logged:
             connection.refusals_logged.add(err.code)
             if err.code in CLOSING_REFUSALS:

@@ -39,11 +39,10 @@ from kvharbor.config import MIB, Config
 from kvharbor.gateway import protocol as p
 from kvharbor.gateway.shm import Segment, address_of
 from kvharbor.hal.extents import Extents
+from kvharbor.telemetry.metrics import GatewayMetrics
 
 Progress = Callable[[int], None]
 """Told how many items of a long request are done, so the client hears from it."""
-Count = Callable[..., None]
-"""Adds to the gateway's counters: ``count(ring_full=1)``."""
 
 
 class _RingFull(Exception):
@@ -100,12 +99,15 @@ class Batch:
 
 
 class Transfers:
-    def __init__(self, config: Config, store: TieredStore, segment: Segment, ring_bytes: int, count: Count) -> None:
+    def __init__(
+        self, config: Config, store: TieredStore, segment: Segment, ring_bytes: int, metrics: GatewayMetrics
+    ) -> None:
+        """``metrics``: the gateway's, counting bytes moved and values the ring had no room for."""
         assert 0 < ring_bytes <= segment.size
         self.store = store
         self.segment = segment
         self.ring = Extents(ring_bytes)  # The segment's head; RAM tiers own the rest.
-        self._count = count
+        self._metrics = metrics
         self._ring_wait_s = config.gateway.ring_wait_ms / 1000
         self._value_max = config.storage.value_mb_max * MIB
         self._segment_address = address_of(segment.view)
@@ -150,7 +152,7 @@ class Transfers:
             self.free(batch)
             raise
         if no_room:
-            self._count(ring_full=no_room)
+            self._metrics.error("ring_full", no_room)
         assert len(offsets) == len(message.items)
         return self._new_batch_id(), batch, offsets
 
@@ -265,7 +267,7 @@ class Transfers:
                 progress(stored)
         finally:
             batch.reservations.extend(in_place.values())  # Left for `free` to give back.
-        self._count(put_bytes=stored_bytes)
+        self._metrics.bytes_in.inc(stored_bytes)
         return stored
 
     # -- gets ----------------------------------------------------------------
@@ -308,11 +310,11 @@ class Transfers:
             # head first would strand every later chunk.
             self.store.touch(list(reversed(keys[: len(spans)])))
         except _RingFull:
-            self._count(ring_full=1)  # The hits so far are served; the rest are misses.
+            self._metrics.error("ring_full")  # The hits so far are served; the rest are misses.
         except BaseException:
             self.free(batch)
             raise
-        self._count(get_bytes=got_bytes)
+        self._metrics.bytes_out.inc(got_bytes)
         return self._new_batch_id(), spans, batch
 
     def _place(self, value: memoryview, source: Callable[[int], memoryview]) -> tuple[int, int]:

@@ -51,10 +51,15 @@ def new_key(rng: random.Random) -> bytes:
 
 
 def write_config(
-    directory: Path, *, tiers: list[dict[str, Any]] | None = None, storage: dict[str, Any] | None = None, **gateway: Any
+    directory: Path,
+    *,
+    tiers: list[dict[str, Any]] | None = None,
+    storage: dict[str, Any] | None = None,
+    card: dict[str, Any] | None = None,
+    **gateway: Any,
 ) -> Path:
     """A config of its own for one test: socket in ``directory``, a unique shm_name;
-    ``storage``: more settings of the storage section."""
+    ``storage``: more settings of the storage section; ``card``: the card section."""
     directory.mkdir(parents=True, exist_ok=True)
     section: dict[str, Any] = {
         "mode": "service",
@@ -74,6 +79,8 @@ def write_config(
             **(storage or {}),
         },
     }
+    if card is not None:
+        document["card"] = card
     path = directory / "kvharbor.yaml"
     path.write_text(yaml.safe_dump(document))
     return path

@@ -171,7 +171,9 @@ def test_scheduler_recomputes_when_the_measured_tier_is_slower() -> None:
     assert side.get_num_new_matched_tokens(req, 0) == (32768, False)  # nothing measured: load
     # The workers report a slow restore (1 GiB at 1.2 GB/s) and a prefill step.
     side.observe(
-        stats(loaded_bytes=2**30, load_s=2**30 / 1.2e9, prefill_flops=LLAMA_8B.flops(0, 32768), prefill_s=1.22)
+        stats(
+            loaded_bytes=2**30, load_seconds=2**30 / 1.2e9, prefill_flops=LLAMA_8B.flops(0, 32768), prefill_seconds=1.22
+        )
     )
     assert side.get_num_new_matched_tokens(req, 0) == (0, False)
     assert side.get_num_new_matched_tokens(req, 0) == (0, False)  # asked again: counted once
@@ -185,7 +187,11 @@ def test_scheduler_loads_from_a_fast_tier_and_plans_chunk_estimates() -> None:
     pytest.importorskip("vllm")
     p = planner()
     side = scheduler(hits=200, plan=p)
-    side.observe(stats(loaded_bytes=2**30, load_s=2**30 / 40e9, prefill_flops=LLAMA_8B.flops(0, 32768), prefill_s=1.22))
+    side.observe(
+        stats(
+            loaded_bytes=2**30, load_seconds=2**30 / 40e9, prefill_flops=LLAMA_8B.flops(0, 32768), prefill_seconds=1.22
+        )
+    )
     req = request(4 * CHUNK_TOKENS + 3)
     assert side.get_num_new_matched_tokens(req, 0) == (4 * CHUNK_TOKENS, False)
     blocks = SimpleNamespace(get_block_ids=lambda: (list(range(1, 70)),))

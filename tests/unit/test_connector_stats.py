@@ -5,9 +5,11 @@ from __future__ import annotations
 import functools
 from types import SimpleNamespace
 
+import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvharbor.connector.vllm.stats import KVHarborPromMetrics, KVHarborStats, empty
+from kvharbor.telemetry.engine_stats import check_names
 
 
 def stats(**values: float) -> KVHarborStats:
@@ -15,8 +17,8 @@ def stats(**values: float) -> KVHarborStats:
 
 
 def test_workers_sum_and_a_cache_off_anywhere_shows() -> None:
-    total = stats(loaded_chunks=3, loaded_bytes=3 << 20, load_s=0.5, loads=1)
-    total.aggregate(stats(loaded_chunks=2, loaded_bytes=2 << 20, load_s=0.5, loads=1, cache_off=1))
+    total = stats(loaded_chunks=3, loaded_bytes=3 << 20, load_seconds=0.5, loads=1)
+    total.aggregate(stats(loaded_chunks=2, loaded_bytes=2 << 20, load_seconds=0.5, loads=1, cache_off=1))
     total.aggregate(stats(stored_chunks=4, cache_off=0))
     reduced = total.reduce()
     assert reduced["loaded_chunks"] == 5 and reduced["loaded_MiB"] == 5.0
@@ -54,3 +56,9 @@ def test_prometheus_series_count_each_step_and_hold_cache_off() -> None:
     metrics.observe(stats(cache_off=1).to_dict(), 0)
     metrics.observe(stats(stored_chunks=1).to_dict(), 0)  # A later step without the flag keeps it.
     assert registry.get_sample_value("vllm:kvharbor_cache_off", labels) == 1
+
+
+def test_a_counter_feeding_the_stats_with_a_name_the_table_lacks_is_refused() -> None:
+    check_names(["lookups", "load_seconds"], "a counter")  # Known names pass.
+    with pytest.raises(ValueError, match="a counter counts load_s, not in"):
+        check_names(["lookups", "load_s"], "a counter")

@@ -126,8 +126,8 @@ def test_lookup_counts_leading_keys_found_in_any_tier() -> None:
     assert store.lookup(keys, chunk_tokens=256) == 3
     assert store.lookup(keys[3:]) == 0
     assert store.lookup([]) == 0
-    totals = store.accounting.snapshot()
-    assert (totals["query_tokens"], totals["hit_tokens"]) == (6 * 256, 3 * 256)
+    totals = store.hits.snapshot()
+    assert (totals.lookups, totals.lookup_tokens, totals.hit_tokens) == (2, 6 * 256, 3 * 256)
 
 
 def test_get_finds_a_value_in_a_lower_tier_and_promotes_it() -> None:

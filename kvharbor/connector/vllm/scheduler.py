@@ -29,6 +29,7 @@ from kvharbor.connector.verifier import Verification, Verifier
 from kvharbor.connector.vllm.layout import VllmLayout
 from kvharbor.connector.vllm.metadata import ChunkTransfer, KVHarborMetadata
 from kvharbor.connector.vllm.stats import empty
+from kvharbor.telemetry.engine_stats import check_names
 from kvharbor.telemetry.log import OnceLog, get_logger
 
 _log = get_logger("kvharbor.connector.vllm")
@@ -77,6 +78,9 @@ class SchedulerCounters:
 
     def snapshot(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+check_names((f.name for f in fields(SchedulerCounters)), "SchedulerCounters")
 
 
 class SchedulerSide:
@@ -267,8 +271,8 @@ class SchedulerSide:
                 "the external KV cache is off on a worker: no more restores are planned, every rank turns it off",
             )
         if self.planner is not None:
-            self.planner.observe_load(data.get("loaded_bytes", 0), data.get("load_s", 0))
-            self.planner.observe_prefill(data.get("prefill_flops", 0), data.get("prefill_s", 0))
+            self.planner.observe_load(data.get("loaded_bytes", 0), data.get("load_seconds", 0))
+            self.planner.observe_prefill(data.get("prefill_flops", 0), data.get("prefill_seconds", 0))
 
     def observe_load_errors(self, block_ids: set[int]) -> None:
         """Blocks whose load failed after all (a chunk damaged or evicted since its promise):

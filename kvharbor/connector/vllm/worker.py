@@ -80,6 +80,7 @@ from kvharbor.connector.vllm.metadata import ChunkTransfer, KVHarborMetadata
 from kvharbor.connector.vllm.pinning import cuda_host_register
 from kvharbor.connector.vllm.stats import empty
 from kvharbor.connector.vllm.timing import StepTimer
+from kvharbor.telemetry.engine_stats import BY_NAME, Merge
 from kvharbor.telemetry.log import OnceLog, get_logger
 
 _log = get_logger("kvharbor.connector.vllm")
@@ -210,7 +211,7 @@ class WorkerSide:
         if short:
             meta.saves = [save for save in meta.saves if save.request_id not in short]
         if meta.loads:
-            self._count(loads=1, load_s=time.perf_counter() - started, cache_off=int(self._load_link.is_off))
+            self._count(loads=1, load_seconds=time.perf_counter() - started, cache_off=int(self._load_link.is_off))
 
     def _restore(self, transfer: ChunkTransfer) -> int:
         """This rank's restore of ``transfer``: how many of its leading blocks it filled."""
@@ -305,7 +306,7 @@ class WorkerSide:
                     self._saves_pending -= 1
                     self._add(
                         saves=1,
-                        save_s=time.perf_counter() - started,
+                        save_seconds=time.perf_counter() - started,
                         stored_chunks=stored,
                         stored_bytes=stored * job.chunk_bytes,
                         cache_off=int(self._save_link.is_off),
@@ -320,7 +321,7 @@ class WorkerSide:
             stats, self._stats = self._stats, empty()
             stats["saves_pending"] = self._saves_pending
         if self._timer is not None:
-            stats["prefill_flops"], stats["prefill_s"] = self._timer.take()
+            stats["prefill_flops"], stats["prefill_seconds"] = self._timer.take()
         # Every step once off, not only in a step that moved data: once the cache is
         # off nothing moves, and the state must still reach the metrics.
         stats["cache_off"] = max(stats["cache_off"], int(self._load_link.is_off))
@@ -339,9 +340,9 @@ class WorkerSide:
             self._add(**deltas)
 
     def _add(self, **deltas: float) -> None:
-        """`_count` with ``_stats_lock`` held."""
+        """`_count` with ``_stats_lock`` held; a name not in `ENGINE_STATS` is a bug (KeyError)."""
         for name, delta in deltas.items():
-            if name == "cache_off":
+            if BY_NAME[name].merge is Merge.MAX:
                 self._stats[name] = max(self._stats[name], delta)
             else:
-                self._stats[name] = self._stats.get(name, 0) + delta
+                self._stats[name] += delta
