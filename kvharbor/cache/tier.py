@@ -39,6 +39,8 @@ from kvharbor.hal.base import (
     DeviceCorrupt,
     DeviceError,
     DeviceFull,
+    Health,
+    HealthState,
     InPlaceWrites,
     SharedSpan,
     SharedSpans,
@@ -159,6 +161,8 @@ class Tier:
         self._stored_fingerprints: dict[bytes, bytes] = {}
         """Engine fingerprint -> the one this tier stores under (a few layouts per process)."""
         self._engine_fingerprints: dict[bytes, bytes] = {}
+        self._watched_health = HealthState.OK
+        """The health `watch_health` last said (a tier starts ok: it passed its probe)."""
 
     @property
     def counters(self) -> TierCounts:
@@ -557,6 +561,21 @@ class Tier:
         except DeviceError as err:
             self._index_fault(err)
             return -1, -1
+
+    def watch_health(self) -> Health:
+        """Read the device's health and say each change of its state once: degraded as a
+        WARNING (it serves, but needs attention: a card running hot, a failed supercapacitor,
+        a filesystem nearly full), failed as an ERROR, ok again at INFO. The gateway's prober
+        calls it every ``card.health_interval_s``; a state that lasts is not said again."""
+        health = self.device.health()
+        before, self._watched_health = self._watched_health, health.state
+        if health.state is not before:
+            if health.state is HealthState.OK:
+                _log.info("kvharbor: tier '%s' health ok again (was %s)", self.name, before.value)
+            else:
+                level = logging.ERROR if health.state is HealthState.FAILED else logging.WARNING
+                _log.log(level, "kvharbor: tier '%s' health %s: %s", self.name, health.state.value, health.detail)
+        return health
 
     def status(self) -> TierStatus:
         health = self.device.health()
