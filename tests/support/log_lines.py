@@ -114,21 +114,25 @@ def _sources() -> Iterator[tuple[str, ast.AST]]:
 @functools.cache
 def log_calls() -> tuple[LogCall, ...]:
     """Every call in kvharbor that writes a log line: logger calls and `OnceLog.say`."""
+    return tuple(call for where, tree in _sources() for call in log_calls_in(where, tree))
+
+
+def log_calls_in(where: str, tree: ast.AST) -> list[LogCall]:
+    """The calls in one module's syntax tree that write a log line."""
     found = []
-    for where, tree in _sources():
-        for call in _calls(tree):
-            assert isinstance(call.func, ast.Attribute)
-            method, receiver = call.func.attr, call.func.value
-            if method in LEVELS and _is_logger(receiver):
-                template = _logged_template(call, 1 if method == "log" else 0)
-            elif method == "say" and _is_once_log(receiver) and len(call.args) >= 2:
-                said = template_of(call.args[1])
-                # OnceLog adds the prefix; a message that brings its own would say it twice.
-                template = None if said is None or said.startswith(PREFIX.strip()) else PREFIX + said
-            else:
-                continue
-            found.append(LogCall(f"{where}:{call.lineno}", template))
-    return tuple(found)
+    for call in _calls(tree):
+        assert isinstance(call.func, ast.Attribute)
+        method, receiver = call.func.attr, call.func.value
+        if method in LEVELS and _is_logger(receiver):
+            template = _logged_template(call, 1 if method == "log" else 0)
+        elif method == "say" and _is_once_log(receiver) and len(call.args) >= 2:
+            said = template_of(call.args[1])
+            # OnceLog adds the prefix; a message that brings its own would say it twice.
+            template = None if said is None or said.startswith(PREFIX.strip()) else PREFIX + said
+        else:
+            continue
+        found.append(LogCall(f"{where}:{call.lineno}", template))
+    return found
 
 
 @functools.cache

@@ -3,6 +3,7 @@ condition is said once and counted, and a miss never reads like a fault."""
 
 from __future__ import annotations
 
+import ast
 import logging
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from kvharbor.cache.tier import Tier
 from kvharbor.hal.file import FileDevice
 from kvharbor.telemetry.log import PREFIX, OnceLog
 from tests.support.damage import damage_file_objects
-from tests.support.log_lines import log_calls
+from tests.support.log_lines import HOLE, log_calls, log_calls_in
 
 
 def test_every_log_call_in_kvharbor_starts_its_line_with_the_prefix() -> None:
@@ -23,6 +24,30 @@ def test_every_log_call_in_kvharbor_starts_its_line_with_the_prefix() -> None:
     assert len(calls) > 50, "the scan found kvharbor's log calls"
     unprefixed = [call.where for call in calls if call.template is None]
     assert not unprefixed, f"log calls whose line does not visibly start with {PREFIX!r}: {unprefixed}"
+
+
+def test_the_scan_tells_a_prefixed_line_from_one_without_the_prefix() -> None:
+    source = """
+_log.info("kvharbor: tier %s ready", name)
+_log.warning("%stier '%s' full", PREFIX, name)
+_log.log(level, PREFIX + f"gateway {pid} stopped")
+self._once.say("full", f"tier '{name}' is full")
+_log.error("tier %s failed", name)
+_log.info(f"gateway {pid} stopped")
+_log.warning(message)
+self._once.say("twice", "kvharbor: said with its own prefix")
+"""
+    calls = log_calls_in("snippet.py", ast.parse(source))
+    assert [call.template for call in calls] == [
+        f"kvharbor: tier {HOLE} ready",
+        f"kvharbor: tier '{HOLE}' full",
+        f"kvharbor: gateway {HOLE} stopped",
+        f"kvharbor: tier '{HOLE}' is full",
+        None,
+        None,
+        None,
+        None,
+    ]
 
 
 class _Clock:
