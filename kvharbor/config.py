@@ -364,7 +364,8 @@ class CardSection(_Section):
     costs little, small against the device so that evicting one region drops a small share."""
     health_interval_s: float = Field(10.0, gt=0, description="how long an NVMe device's health is reused")
     """An NVMe device's health comes from nvme-cli (one subprocess per log); a status asked
-    more often than this is answered from the last reading."""
+    more often than this is answered from the last reading. The gateway also reads every
+    tier's health this often, to say a change of it in its log."""
 
     @model_validator(mode="after")
     def _region_holds_a_fragment(self) -> CardSection:

@@ -39,6 +39,8 @@ from kvharbor.hal.base import (
     DeviceCorrupt,
     DeviceError,
     DeviceFull,
+    Health,
+    HealthState,
     InPlaceWrites,
     SharedSpan,
     SharedSpans,
@@ -159,6 +161,8 @@ class Tier:
         self._stored_fingerprints: dict[bytes, bytes] = {}
         """Engine fingerprint -> the one this tier stores under (a few layouts per process)."""
         self._engine_fingerprints: dict[bytes, bytes] = {}
+        self._watched_health = HealthState.OK
+        """The health `watch_health` last said (a tier starts ok: it passed its probe)."""
 
     @property
     def counters(self) -> TierCounts:
@@ -558,6 +562,21 @@ class Tier:
             self._index_fault(err)
             return -1, -1
 
+    def watch_health(self) -> Health:
+        """Read the device's health and say each change of its state once: degraded as a
+        WARNING (it serves, but needs attention: a card running hot, a failed supercapacitor,
+        a filesystem nearly full), failed as an ERROR, ok again at INFO. The gateway's prober
+        calls it every ``card.health_interval_s``; a state that lasts is not said again."""
+        health = self.device.health()
+        before, self._watched_health = self._watched_health, health.state
+        if health.state is not before:
+            if health.state is HealthState.OK:
+                _log.info("kvharbor: tier '%s' health ok again (was %s)", self.name, before.value)
+            else:
+                level = logging.ERROR if health.state is HealthState.FAILED else logging.WARNING
+                _log.log(level, "kvharbor: tier '%s' health %s: %s", self.name, health.state.value, health.detail)
+        return health
+
     def status(self) -> TierStatus:
         health = self.device.health()
         used_bytes, keys = self.usage()
@@ -697,8 +716,9 @@ class Tier:
         return stored
 
     def _corrupt(self, key: bytes, err: CorruptObject) -> Outcome:
-        """Count, say and drop a damaged object; the device answered, so it is not sick.
-        Returns the outcome a get that found it ends with.
+        """Count, say (once per tier, then counted: damage comes in runs) and drop a damaged
+        object; the device answered, so it is not sick. Returns the outcome a get that found
+        it ends with.
 
         On a tier with a ``layout`` of its own, an intact object of another layout
         is stale, not damaged (the tier's settings changed since it was stored):
@@ -715,7 +735,9 @@ class Tier:
             )
         else:
             self.metrics.corrupt()
-            _log.warning("kvharbor: corrupt chunk %s in tier '%s' (%s) -> treated as miss", key.hex(), self.name, err)
+            self._once.say(
+                f"corrupt:{self.name}", f"corrupt chunk {key.hex()} in tier '{self.name}' ({err}) -> treated as miss"
+            )
         self.delete([key])
         self._ok()
         return outcome

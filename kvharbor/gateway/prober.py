@@ -12,13 +12,20 @@ So the breaker's ``cooldown_s``, ``probe_backoff_factor`` and
 ``probe_interval_max_s`` still decide when a target is asked, and the log says
 once each way that the tier is unavailable and that it answers again.
 
+The same thread reads every tier's health each ``card.health_interval_s``
+(`kvharbor.cache.tier.Tier.watch_health`), so a card that runs hot or a file
+tier's filesystem that fills is said in the log once, as it happens, and not
+only on a dashboard or a scrape.
+
 Bounded: one thread, one probe per due tier per wake-up, each as long as the
-device's own timeouts allow; stopping it waits for the current round only.
+device's own timeouts allow, and one health read per tier per health interval;
+stopping it waits for the current round only.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 
 from kvharbor.cache.breaker import BreakerState
@@ -29,11 +36,14 @@ _log = get_logger("kvharbor.gateway.prober")
 
 
 class TierProber:
-    def __init__(self, tiers: Sequence[Tier], interval_s: float) -> None:
+    def __init__(self, tiers: Sequence[Tier], interval_s: float, health_interval_s: float) -> None:
         if interval_s <= 0:
             raise ValueError(f"background_probe_interval_s must be > 0, got {interval_s}")
+        if health_interval_s <= 0:
+            raise ValueError(f"health_interval_s must be > 0, got {health_interval_s}")
         self.tiers = tuple(tiers)
         self.interval_s = interval_s
+        self.health_interval_s = health_interval_s
         self._stopping = threading.Event()
         self.resumed = threading.Event()
         """Set once a probe closed a tier's breaker (the tier serves again): what a caller that
@@ -61,6 +71,19 @@ class TierProber:
             except Exception:  # A bug in one driver must not end probing for the others.
                 _log.exception("kvharbor: tier %s: background probe failed unexpectedly", tier.name)
 
+    def watch_health_once(self) -> None:
+        for tier in self.tiers:
+            if self._stopping.is_set():
+                return
+            try:
+                tier.watch_health()
+            except Exception:  # As above: one driver's bug must not end the watch of the others.
+                _log.exception("kvharbor: tier %s: reading its health failed unexpectedly", tier.name)
+
     def _run(self) -> None:
+        health_due_s = time.monotonic()
         while not self._stopping.wait(self.interval_s):
             self.probe_once()
+            if time.monotonic() >= health_due_s:
+                self.watch_health_once()
+                health_due_s = time.monotonic() + self.health_interval_s

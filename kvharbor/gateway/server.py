@@ -166,7 +166,9 @@ class Gateway:
         assert self.segment is not None
         self.store = open_store(self.config, start_clean=self.start_clean, devices=shared, metrics=self.metrics)
         self._prober = TierProber(
-            self.store.tiers, self.config.storage.backpressure.circuit_breaker.background_probe_interval_s
+            self.store.tiers,
+            self.config.storage.backpressure.circuit_breaker.background_probe_interval_s,
+            self.config.card.health_interval_s,
         )
         self.transfers = Transfers(self.config, self.store, self.segment, self.ring_bytes, self.metrics)
         storage = self.config.storage

@@ -54,7 +54,9 @@ def test_a_probe_asks_only_when_due_backs_off_and_resumes_the_tier_once(caplog: 
     with caplog.at_level(logging.INFO, logger="kvharbor"):
         assert tier.probe() is BreakerState.CLOSED
         assert tier.probe() is BreakerState.CLOSED
-    assert [r.getMessage() for r in caplog.records].count("kvharbor: tier 'card' answers again; breaker closed") == 1
+    resumed = [m for m in (r.getMessage() for r in caplog.records) if "answers again" in m]
+    # Said once, with the count of the times the tier was found unavailable again meanwhile.
+    assert resumed == ["kvharbor: tier 'card' answers again; breaker closed (after 2 more time(s) since it was said)"]
     key = os.urandom(16)
     assert tier.write(key, FINGERPRINT, b"y" * 1000) and bytes(tier.read(key, FINGERPRINT) or b"") == b"y" * 1000
 
@@ -77,7 +79,7 @@ def test_the_prober_thread_resumes_a_tier_without_requests() -> None:
     device.faults.target_down()
     assert not tier.write(os.urandom(16), FINGERPRINT, b"x" * 1000)
     device.faults.target_up()
-    prober = TierProber([tier], interval_s=0.01).start()
+    prober = TierProber([tier], interval_s=0.01, health_interval_s=10.0).start()
     try:
         assert prober.resumed.wait(30), "the prober never closed the breaker"
     finally:
@@ -88,4 +90,44 @@ def test_the_prober_thread_resumes_a_tier_without_requests() -> None:
 
 def test_the_prober_refuses_a_bad_interval() -> None:
     with pytest.raises(ValueError, match="background_probe_interval_s must be > 0"):
-        TierProber([], 0)
+        TierProber([], 0, 10.0)
+    with pytest.raises(ValueError, match="health_interval_s must be > 0"):
+        TierProber([], 1.0, 0)
+
+
+def test_each_change_of_a_tiers_health_is_said_once_a_lasting_state_is_not(caplog: pytest.LogCaptureFixture) -> None:
+    tier, device = card_tier()
+    prober = TierProber([tier], interval_s=1.0, health_interval_s=10.0)
+    with caplog.at_level(logging.INFO, logger="kvharbor"):
+        prober.watch_health_once()  # Ok, as it started: nothing to say.
+        device.faults.fail_supercap()
+        prober.watch_health_once()
+        prober.watch_health_once()
+        device.faults.set_temperature(200.0)
+        prober.watch_health_once()
+        prober.watch_health_once()
+        device.faults.repair_supercap()
+        device.faults.set_temperature(40.0)
+        prober.watch_health_once()
+        prober.watch_health_once()
+    said = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert said == [
+        (logging.WARNING, "kvharbor: tier 'card' health degraded: supercapacitor failed: writes not yet on flash "
+         "are lost at a power loss"),
+        (logging.ERROR, "kvharbor: tier 'card' health failed: temperature 200 C is critical"),
+        (logging.INFO, "kvharbor: tier 'card' health ok again (was failed)"),
+    ]  # fmt: skip
+
+
+def test_the_prober_thread_says_a_health_change_without_requests(caplog: pytest.LogCaptureFixture) -> None:
+    tier, device = card_tier()
+    device.faults.fail_supercap()
+    with caplog.at_level(logging.INFO, logger="kvharbor"):
+        prober = TierProber([tier], interval_s=0.01, health_interval_s=0.01).start()
+        try:
+            deadline = time.monotonic() + 30
+            while not any("health degraded" in r.getMessage() for r in caplog.records):
+                assert time.monotonic() < deadline, "the prober never said the card's health"
+                time.sleep(0.01)  # Polling the log line the prober writes, bounded by the deadline.
+        finally:
+            prober.stop()

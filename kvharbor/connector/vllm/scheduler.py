@@ -16,6 +16,7 @@ told is cached is what is restored. It plans:
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -336,7 +337,7 @@ class SchedulerSide:
                 "recompute",
                 f"a stored prefix of {end - start} tokens is recomputed, not restored ({decision.reason}; "
                 "measured rates); said once, counted in chose_recompute",
-                20,
+                logging.INFO,
             )
         return False
 
@@ -368,6 +369,7 @@ class SchedulerSide:
             self._once.say(
                 "unsalted",
                 "engine.require_cache_salt is on: requests without a cache_salt are neither looked up nor stored",
+                logging.INFO,  # Misses by the configuration's choice: news, not trouble.
             )
         elif prompt is not None:
             return self._new_request(request.request_id, prompt, salt)

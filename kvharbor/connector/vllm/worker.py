@@ -58,6 +58,7 @@ the commit has been counted.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -236,7 +237,7 @@ class WorkerSide:
                 f"a restore was stopped after {done} of {chunks} chunks: at the "
                 f"{done * chunk_bytes / elapsed_s / 1e9:.2f} GB/s it got, the rest "
                 "arrives slower than it recomputes (recomputed instead; said once)",
-                20,
+                logging.INFO,
             )
             return False
 
