@@ -30,6 +30,7 @@ import os
 import sqlite3
 import threading
 import time
+import urllib.parse
 from collections.abc import Iterable, Iterator, Sequence
 
 from kvharbor.cache.index import Entry, OverBudget, TierIndex, check_admission
@@ -509,9 +510,17 @@ class ManifestReader:
         self.path = os.path.join(state_dir, MANIFEST_FILE)
         if not os.path.isfile(self.path):
             raise ManifestUnreadable(f"{self.path} does not exist (the tier never ran, or its manifest was removed)")
+        # No write-ahead log beside it: every commit is in the file itself, and reading it as
+        # immutable creates nothing (read-only WAL access would make the -wal and -shm files).
+        # With a log (a writer running, or one that died): read-only, through that log.
+        wal = self.path + "-wal"
+        flags = "mode=ro" if os.path.exists(wal) and os.path.getsize(wal) > 0 else "immutable=1"
         try:
             self._db = sqlite3.connect(
-                f"file:{self.path}?mode=ro", uri=True, isolation_level=None, timeout=busy_timeout_ms / 1000
+                f"file:{urllib.parse.quote(self.path)}?{flags}",
+                uri=True,
+                isolation_level=None,
+                timeout=busy_timeout_ms / 1000,
             )
             row = self._db.execute("SELECT value FROM meta WHERE name = 'format_version'").fetchone()
         except sqlite3.Error as err:

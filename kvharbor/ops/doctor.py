@@ -32,7 +32,7 @@ from pathlib import Path
 
 from pydantic import TypeAdapter
 
-from kvharbor.cache.keys import chunk_keys, key_hex
+from kvharbor.cache.keys import chunk_keys, key_hex, token_bytes
 from kvharbor.config import Config
 from kvharbor.gateway.layouts import merge
 from kvharbor.gateway.query import GatewayQuery, NoGateway
@@ -126,7 +126,7 @@ def read_token_ids(path: Path) -> list[int]:
     stripped = text.strip()
     if not stripped:
         raise ValueError(f"--prompt-file {path} is empty: give token ids")
-    if stripped.startswith("["):
+    if stripped.startswith(("[", "{")):
         try:
             ids = json.loads(stripped)
         except (ValueError, RecursionError):
@@ -273,6 +273,7 @@ def diagnose(
 ) -> DoctorReport:
     """Run every check for the prompt ``token_ids``; raises ValueError for bad input
     (a token id out of range, an unknown ``layout_id``, an unreadable ``engine_log``)."""
+    token_bytes(token_ids)  # Bad input is refused before anything is asked: an id out of range names itself.
     findings: list[Finding] = []
     query, status, absent = _ask_gateway(config)
     if absent is not None:
