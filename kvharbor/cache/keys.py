@@ -152,7 +152,9 @@ class LayoutFingerprint:
             layout["kv_shapes"] = tuple(layout["kv_shapes"])
             layout["extra"] = tuple((str(name), str(value)) for name, value in layout["extra"])
             fingerprint = cls(**layout)
-        except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as err:
+        except KeyError as err:
+            raise ValueError(f"not a canonical layout fingerprint: it has no field {err}") from None
+        except (ValueError, TypeError, AttributeError, RecursionError) as err:
             raise ValueError(f"not a canonical layout fingerprint: {err}") from None
         if fingerprint.canonical() != bytes(raw):
             raise ValueError("not a canonical layout fingerprint: its fields encode to other bytes")

@@ -319,7 +319,13 @@ def _diagnose(
         )
         layouts = status.layouts
     else:
-        layouts = merge(layout for tier in read_disk(config) for layout in tier.layouts)
+        on_disk = read_disk(config)
+        layouts = merge(layout for tier in on_disk for layout in tier.layouts)
+        findings += [
+            Finding("tiers", Verdict.PROBLEM, f"tier {tier.name} at {tier.path}: {tier.problem}")
+            for tier in on_disk
+            if tier.problem
+        ]
     layout, chosen = pick_layout(layouts, config, layout_id)
     findings.append(chosen)
     chunk_size = layout.fingerprint.chunk_size if layout is not None else config.engine.chunk_size

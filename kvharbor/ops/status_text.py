@@ -50,9 +50,8 @@ def hit_rate_text(rate: HitRate) -> list[str]:
 def layout_text(layout: RegisteredLayout, served: bool = True) -> str:
     """``served``: the layout is one a running gateway lists (it then says whether it was
     registered in its run); else one read from a tier's registry file."""
-    chunks = "" if layout.chunks is None else ", chunks " + ", ".join(f"{t} {n}" for t, n in layout.chunks.items())
     seen = (", this run" if layout.this_run else ", before this run") if served else ""
-    return f"{layout.short}: by {layout.registered_by!r} {when(layout.registered_at_s)}{seen}{chunks}"
+    return f"{layout.short}: by {layout.registered_by!r} {when(layout.registered_at_s)}{seen}"
 
 
 def card_text(name: str, card: CardStatus) -> str:

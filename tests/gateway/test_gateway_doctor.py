@@ -132,3 +132,20 @@ def test_a_prompt_file_that_is_not_token_ids_is_a_clear_error(tmp_path: Path, te
     assert result.returncode == 2, result.stdout
     assert result.stderr.startswith("kvharbor: error: ") and says in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_doctor_tokenizes_text_with_the_models_tokenizer(served: tuple[Lab, Path], tiny_model: Path) -> None:
+    from transformers import AutoTokenizer
+
+    lab, config = served
+    text = "user : tell me about the weather " * 60
+    ids = AutoTokenizer.from_pretrained(str(tiny_model)).encode(text)
+    (gateway,) = lab.gateways
+    with closing_client(GatewayClient.connect(gateway.config.gateway, "engine-a", layouts=[LAYOUT])) as engine:
+        assert store_prompt(engine, ids) == len(ids) // 256 >= 1
+    result = kvharbor_cmd("doctor", "--config", str(config), "--prompt", text, "--model", str(tiny_model), "--json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    assert report["tokens"] == len(ids) and all(chunk["tiers"] == ["ram", "files"] for chunk in report["chunks"])
+    no_model = kvharbor_cmd("doctor", "--config", str(config), "--prompt", text)
+    assert no_model.returncode == 2 and "--prompt TEXT needs --model DIR" in no_model.stderr
