@@ -71,10 +71,10 @@ class KVHarborConnector(KVConnectorBase_V1):
             name = f"vllm-scheduler pid {os.getpid()}"
             # The scheduler looks up every rank's keys: it registers every rank's layout.
             connect = partial(embedded.connect, layouts=self.layout.fingerprints)
-            link = CacheLink(self.config, name, connect)
+            link = CacheLink(self.config, name, connect=connect)
             # Its own connection: a long read-back must not hold up the lookups of other requests.
             verifier = Verifier(
-                CacheLink(self.config, name + " verify", connect), self.layout.digests, self.layout.chunk_bytes
+                CacheLink(self.config, name + " verify", connect=connect), self.layout.digests, self.layout.chunk_bytes
             )
             self._scheduler = SchedulerSide(
                 self.layout, self.config, link, load_planner(vllm_config, self.layout), verifier
@@ -90,9 +90,9 @@ class KVHarborConnector(KVConnectorBase_V1):
             rank = self.layout.rank_index(*_worker_ranks())
             name = f"vllm-worker rank {rank} pid {os.getpid()}"
             connect = partial(embedded.connect, layouts=(self.layout.fingerprints[rank],))
-            load_link = CacheLink(self.config, name + " load", connect)
+            load_link = CacheLink(self.config, name + " load", connect=connect)
             self._worker = WorkerSide(
-                self.layout, self.config, load_link, CacheLink(self.config, name + " save", connect), rank,
+                self.layout, self.config, load_link, CacheLink(self.config, name + " save", connect=connect), rank,
                 RankAgreement(_tensor_parallel_group(), load_link.switch),
             )  # fmt: skip
 
