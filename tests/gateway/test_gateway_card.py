@@ -9,6 +9,8 @@ a line of the gateway's log, bounded by the harness's deadline.
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from gateway_harness import Lab, closing_client, get_values, put_values, value_f
 from kvharbor.cache.tier import TierStatus
 from kvharbor.cli import main
 from kvharbor.gateway.status import GatewayStatus
+from kvharbor.hal.base import CapacityUsage
 from kvharbor.hal.sim.control import write_control
 
 pytestmark = pytest.mark.timeout(120)
@@ -64,9 +67,17 @@ def test_a_gateway_serves_from_a_simulated_card_through_full_and_a_target_outage
         write_control(control, fill_ratio=1.0)
         for start in range(0, len(more), 5):
             assert put_values(client, more[start : start + 5]) == 5
-        card = card_status(client.status())
+        status = client.status()
+        card = card_status(status)
         assert card.counters["full"] > 0 and card.device_statuses["1/81h"] == card.counters["full"]
         assert card.health == "degraded" and "CapacityUsage CRITICAL" in card.health_detail
+        # The card section of the status: the card's own figures, and kvharbor status shows them.
+        assert status.cards["card"].capacity_usage is CapacityUsage.CRITICAL
+        shown = subprocess.run(
+            [sys.executable, "-m", "kvharbor", "status", "--config", str(config_path)], capture_output=True, text=True
+        )
+        assert shown.returncode == 0 and "CapacityUsage CRITICAL" in shown.stdout, shown.stderr
+        assert "card [nvme]: degraded: " in shown.stdout
         # The first values left the small RAM tier long ago: the card serves them.
         keys = [key for key, _ in first]
         assert get_values(client, keys) == [value_for(k, s) for k, s in first]
