@@ -12,6 +12,7 @@ prompt file that is not token ids, an unknown layout, the config). The logic liv
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -50,6 +51,7 @@ def add_parser(subparsers: Subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvharbor.gateway.query import NoGateway
     from kvharbor.ops import doctor
 
     config = config_from_args(args)
@@ -65,7 +67,11 @@ def run(args: argparse.Namespace) -> int:
         token_ids = doctor.tokenize(text, args.model)
     else:
         token_ids = doctor.read_token_ids(args.prompt_file)
-    report = doctor.diagnose(config, token_ids, args.salt, args.layout, args.engine_log)
+    try:
+        report = doctor.diagnose(config, token_ids, args.salt, args.layout, args.engine_log)
+    except NoGateway as err:  # It answered the status, then went away.
+        print(f"kvharbor: the gateway stopped answering during the checks: {err}", file=sys.stderr)
+        return EXIT_PROBLEM
     print(report.to_json() if args.json else render(report))
     return EXIT_PROBLEM if report.problems else 0
 

@@ -329,51 +329,10 @@ def _diagnose(
     layout, chosen = pick_layout(layouts, config, layout_id)
     findings.append(chosen)
     chunk_size = layout.fingerprint.chunk_size if layout is not None else config.engine.chunk_size
-    full = len(token_ids) // chunk_size
-    if full == 0:
-        findings.append(
-            Finding(
-                "prompt",
-                Verdict.PROBLEM,
-                f"the prompt has {len(token_ids)} tokens, shorter than a chunk ({chunk_size} tokens): a partial "
-                "chunk is never stored, so this prompt never hits",
-            )
-        )
-    else:
-        tail = len(token_ids) - full * chunk_size
-        findings.append(
-            Finding(
-                "prompt",
-                Verdict.OK,
-                f"{len(token_ids)} tokens: {full} full chunk(s) of {chunk_size}"
-                + (f", and a partial tail of {tail} tokens that is never stored" if tail else ""),
-            )
-        )
-    if salt is None and config.engine.require_cache_salt:
-        findings.append(
-            Finding(
-                "salt",
-                Verdict.PROBLEM,
-                "engine.require_cache_salt is on and this prompt has no cache_salt (--salt): the connector neither "
-                "looks it up nor stores it",
-            )
-        )
-    else:
-        findings.append(
-            Finding("salt", Verdict.OK, "no cache_salt" if salt is None else f"keys salted with cache_salt {salt!r}")
-        )
+    findings.append(_check_prompt(len(token_ids), chunk_size))
+    findings.append(_check_salt(config, salt))
     if status is not None:
-        findings.append(
-            Finding(
-                "start_clean",
-                Verdict.PROBLEM if status.start_clean else Verdict.OK,
-                "the gateway was started with --start-clean=1: every tier was emptied at its start"
-                if status.start_clean
-                else "the gateway was started without --start-clean",
-            )
-        )
-        findings.append(_check_tiers(status))
-        findings.append(_check_engine(status))
+        findings += [_check_start_clean(status), _check_tiers(status), _check_engine(status)]
     if engine_log is not None:
         findings.append(check_engine_log(engine_log))
     chunks: list[ChunkPlace] = []
@@ -386,18 +345,60 @@ def _diagnose(
         ]
         findings += _chunk_findings(chunks)
         if salt is not None and _found(places) < len(keys):
-            unsalted = where.locate(chunk_keys(bytes.fromhex(layout.digest), chunk_size, token_ids, None))
-            if _found(unsalted):
-                findings.append(
-                    Finding(
-                        "salt",
-                        Verdict.PROBLEM,
-                        f"{_found(unsalted)} of {len(keys)} chunk(s) are stored without a cache_salt: the engine "
-                        f"that stored them sent none, this request sends {salt!r}",
-                    )
-                )
+            findings += _stored_unsalted(layout, token_ids, salt, where)
     findings += _other_layouts(layout, layouts, token_ids, salt, where, missing=not chunks or _any_missing(chunks))
     return DoctorReport(len(token_ids), chunk_size, salt, layout, chunks, findings, gateway_answered=status is not None)
+
+
+def _check_prompt(tokens: int, chunk_size: int) -> Finding:
+    full, tail = divmod(tokens, chunk_size)
+    if full == 0:
+        return Finding(
+            "prompt",
+            Verdict.PROBLEM,
+            f"the prompt has {tokens} tokens, shorter than a chunk ({chunk_size} tokens): a partial chunk is never "
+            "stored, so this prompt never hits",
+        )
+    rest = f", and a partial tail of {tail} tokens that is never stored" if tail else ""
+    return Finding("prompt", Verdict.OK, f"{tokens} tokens: {full} full chunk(s) of {chunk_size}{rest}")
+
+
+def _check_salt(config: Config, salt: str | None) -> Finding:
+    if salt is None and config.engine.require_cache_salt:
+        return Finding(
+            "salt",
+            Verdict.PROBLEM,
+            "engine.require_cache_salt is on and this prompt has no cache_salt (--salt): the connector neither "
+            "looks it up nor stores it",
+        )
+    return Finding("salt", Verdict.OK, "no cache_salt" if salt is None else f"keys salted with cache_salt {salt!r}")
+
+
+def _check_start_clean(status: GatewayStatus) -> Finding:
+    if status.start_clean:
+        return Finding(
+            "start_clean",
+            Verdict.PROBLEM,
+            "the gateway was started with --start-clean=1: every tier was emptied at its start",
+        )
+    return Finding("start_clean", Verdict.OK, "the gateway was started without --start-clean")
+
+
+def _stored_unsalted(layout: RegisteredLayout, token_ids: Sequence[int], salt: str, where: _Where) -> list[Finding]:
+    """The prompt's chunks stored without a salt, when this request has one."""
+    digest = bytes.fromhex(layout.digest)
+    found = _found(where.locate(chunk_keys(digest, layout.fingerprint.chunk_size, token_ids, None)))
+    if not found:
+        return []
+    full = len(token_ids) // layout.fingerprint.chunk_size
+    return [
+        Finding(
+            "salt",
+            Verdict.PROBLEM,
+            f"{found} of {full} chunk(s) are stored without a cache_salt: the engine that stored them sent none, "
+            f"this request sends {salt!r}",
+        )
+    ]
 
 
 def _any_missing(chunks: Sequence[ChunkPlace]) -> bool:
