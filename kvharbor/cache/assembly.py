@@ -131,16 +131,19 @@ def open_store(
     """Open every configured tier; ``devices`` supplies ready drivers by tier name
     (the gateway's shared-memory RAM tiers), the registry opens the rest. The store
     and its tiers count in ``metrics`` (the gateway's), or in a registry of their own."""
-    metrics = metrics if metrics is not None else GatewayMetrics()
+    metrics = metrics if metrics is not None else GatewayMetrics(hit_rate_window_s=config.telemetry.hit_rate_window_s)
     tiers: list[Tier] = []
+    skipped: dict[str, str] = {}
     for section in config.storage.tiers:
         try:
             tier = open_tier(section, config, (devices or {}).get(section.name), metrics.tiers.tier(section.name))
         except ProbeFailed as err:
             _log.warning("kvharbor: tier %s failed its startup probe (%s); skipping", section.name, err)
+            skipped[section.name] = f"probe failed at start: {err}"
             continue
         except (ValueError, DeviceError, OSError) as err:
             _log.warning("kvharbor: tier %s unavailable: %s; skipping", section.name, err)
+            skipped[section.name] = f"unavailable: {err}"
             continue
         if start_clean:
             removed = tier.clear()
@@ -158,4 +161,4 @@ def open_store(
             ", ".join(f"{t.name}[{t.device_type}, {t.capacity_bytes / 2**30:g} GiB]" for t in tiers),
             config.storage.write_policy,
         )
-    return TieredStore(tiers, config.storage.write_policy, metrics.hits)
+    return TieredStore(tiers, config.storage.write_policy, metrics.hits, skipped)

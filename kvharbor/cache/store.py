@@ -20,7 +20,7 @@ Contracts:
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Literal
@@ -41,6 +41,8 @@ class StoreStatus:
     tiers: list[TierStatus]
     write_policy: str
     hits: HitCounts = field(default_factory=HitCounts)
+    skipped: dict[str, str] = field(default_factory=dict)
+    """Configured tiers that did not open, by name: why (``probe failed: ...``, ``unavailable: ...``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,15 +57,21 @@ class Probe:
 
 class TieredStore:
     def __init__(
-        self, tiers: Sequence[Tier], write_policy: WritePolicy = "write_through", hits: HitMetrics | None = None
+        self,
+        tiers: Sequence[Tier],
+        write_policy: WritePolicy = "write_through",
+        hits: HitMetrics | None = None,
+        skipped: Mapping[str, str] | None = None,
     ) -> None:
         """``hits``: where lookups are counted in tokens (the gateway's metrics); a
-        registry of its own without."""
+        registry of its own without. ``skipped``: configured tiers that did not open,
+        and why (shown in `status`)."""
         names = [t.name for t in tiers]
         assert len(set(names)) == len(names), names
         self.tiers = list(tiers)
         self.write_policy = write_policy
         self.hits = hits if hits is not None else HitMetrics.standalone()
+        self.skipped = dict(skipped or {})
         self._closed = False
         self._close_lock = threading.Lock()
         self._once = OnceLog(_log)
@@ -232,6 +240,7 @@ class TieredStore:
             tiers=[t.status() for t in self.tiers],
             write_policy=self.write_policy,
             hits=self.hits.snapshot(),
+            skipped=dict(self.skipped),
         )
 
     def close(self) -> None:

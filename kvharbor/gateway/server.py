@@ -23,17 +23,20 @@ import os
 import socket
 import threading
 import time
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 from kvharbor import __version__
 from kvharbor.cache.assembly import device_limit, open_store
+from kvharbor.cache.keys import LayoutFingerprint
 from kvharbor.cache.refill import RamRefill
 from kvharbor.cache.store import TieredStore
 from kvharbor.config import MIB, Config
 from kvharbor.gateway import protocol as p
 from kvharbor.gateway.access import AccessPolicy, Peer, peer_of
+from kvharbor.gateway.layouts import LayoutRegistry
 from kvharbor.gateway.lifetime import Lifetime
 from kvharbor.gateway.prober import TierProber
 from kvharbor.gateway.shm import (
@@ -46,9 +49,10 @@ from kvharbor.gateway.shm import (
     segment_path,
     shm_space,
 )
+from kvharbor.gateway.status import AttachedClient, DetachedClient, GatewayStatus, HitRate, ShmStatus
 from kvharbor.gateway.transfers import Batch, Transfers
 from kvharbor.gateway.wire import FrameReader, PeerClosed, send_message
-from kvharbor.hal.base import Device
+from kvharbor.hal.base import CardDevice, CardStatus, Device, DeviceError, PersistentDevice
 from kvharbor.hal.extents import round_up
 from kvharbor.hal.shm_ram import SharedRamDevice
 from kvharbor.telemetry.collectors import StoreCollector
@@ -65,8 +69,30 @@ whole pages, so the region must hold a little more than the budget counts."""
 ACCEPT_RETRY_MS = 100
 """Back-off after a failed accept (e.g. out of file descriptors) before trying again."""
 
+DETACHED_KEPT = 64
+"""Detached clients remembered for `Gateway.status` (the most recent; a rank that turned
+its cache off is one of them while its process lives)."""
+
+READ_ONLY_QUERIES = (p.Status, p.Locate)
+"""Served without a HELLO: a tool (``kvharbor status``, ``doctor``) asks them without
+attaching, so it counts as no client, keeps no embedded gateway alive and needs no
+config digest of the gateway's. ``gateway.access`` still decides at accept."""
+
 CLOSING_REFUSALS = frozenset({p.ErrorCode.VERSION_MISMATCH, p.ErrorCode.CONFIG_MISMATCH, p.ErrorCode.STEPPING_ASIDE})
 """Refused HELLOs after which the connection is closed: nothing else could be served on it."""
+
+
+def _alive(pid: int) -> bool:
+    """Does process ``pid`` exist (signal 0 checks without sending)? Another user's counts."""
+    if pid <= 0:
+        return False  # Unknown; and signal 0 to pid 0 would ask about our own process group.
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 class GatewayStartError(Exception):
@@ -104,8 +130,12 @@ class _Connection:
     """What the gateway knows about one client connection; touched only by its thread."""
 
     sock: socket.socket
+    pid: int = 0
+    """The client's process, from the socket's peer credentials."""
     batches: dict[int, Batch] = field(default_factory=dict)
     peer: str = "a client before HELLO"
+    name: str = ""
+    """The client's name, from its HELLO."""
     greeted: bool = False
     refusals_logged: set[p.ErrorCode] = field(default_factory=set)
     progress: _Progress | None = None
@@ -123,6 +153,7 @@ class Gateway:
         self.metrics = GatewayMetrics(
             error_kinds=[code.name for code in p.ErrorCode],
             request_types={kind.value: kind.name.lower() for kind in p.MessageType},
+            hit_rate_window_s=config.telemetry.hit_rate_window_s,
         )
         """The process's metrics; ``metrics.registry`` is what ``/metrics`` serves."""
         self.segment: Segment | None = None
@@ -132,11 +163,15 @@ class Gateway:
         self._prober: TierProber | None = None
         self.transfers: Transfers | None = None
         self.refill: RamRefill | None = None
+        self.layouts: LayoutRegistry | None = None
         self._listener: socket.socket | None = None
         self._socket_bound = False
         self._lock_file: int | None = None
         self._clients: dict[socket.socket, tuple[_Connection, threading.Thread]] = {}
         self._clients_lock = threading.Lock()
+        self._detached: deque[tuple[str, int, float, bool]] = deque(maxlen=DETACHED_KEPT)
+        """(name, pid, when, unclean) of the clients that detached, under ``_clients_lock``."""
+        self.started_at_s = time.time()
         self._stopping = threading.Event()
         self.metrics.clients_attached.set_function(self._clients_attached)
         # Held for the whole of `stop`: a second caller (signal thread, main
@@ -165,6 +200,9 @@ class Gateway:
         shared = self._create_segment(shm_dir, free, total)
         assert self.segment is not None
         self.store = open_store(self.config, start_clean=self.start_clean, devices=shared, metrics=self.metrics)
+        self.layouts = LayoutRegistry(
+            [t.device.state_dir for t in self.store.tiers if isinstance(t.device, PersistentDevice)], self.start_clean
+        )
         self._prober = TierProber(
             self.store.tiers,
             self.config.storage.backpressure.circuit_breaker.background_probe_interval_s,
@@ -272,7 +310,7 @@ class Gateway:
                 refuse = True
             else:
                 refuse = False
-                connection = _Connection(sock)
+                connection = _Connection(sock, peer.pid)
                 thread = threading.Thread(
                     target=self._serve_client, args=(connection,), daemon=True, name="kvharbor-client"
                 )
@@ -357,33 +395,69 @@ class Gateway:
         with self._clients_lock:
             return sum(connection.greeted for connection, _ in self._clients.values())
 
-    def status(self) -> dict[str, Any]:
-        assert self.store is not None and self.transfers is not None and self.segment is not None
-        assert self.refill is not None
+    def status(self) -> GatewayStatus:
+        """What this gateway is and holds now (see `kvharbor.gateway.status`)."""
+        store, transfers, segment, refill = self.store, self.transfers, self.segment, self.refill
+        assert store is not None and transfers is not None and segment is not None and refill is not None
+        assert self.layouts is not None
         with self._clients_lock:
             connections = [c for c, _ in self._clients.values()]
-        counters = asdict(self.counters)
-        return {
-            "release": __version__,
-            "protocol": p.PROTOCOL_VERSION,
-            "pid": os.getpid(),
-            "socket": str(self.socket_path),
-            "config_digest": self.config.gateway.config_digest.short,
-            "access": self.access.describe(),
-            "shm": {
-                "path": str(self.segment.path),
-                "bytes": self.segment.size,
-                "ring_bytes": self.ring_bytes,
-                "free_bytes": self.transfers.ring.free_bytes,
-                "pinned": self.transfers.pinned,
-                "in_place_bytes": self.transfers.reserved_bytes,
-            },
-            "clients": len(connections),
-            "transfers_open": sum(len(c.batches) for c in connections),
-            "counters": counters,
-            "store": asdict(self.store.status()),
-            "refill": asdict(self.refill.status()),
-        }
+            detached = list(self._detached)
+        counts = self.counters
+        counters = {name: value for name, value in asdict(counts).items() if name != "rejected"}
+        store_status = store.status()
+        recent_query, recent_hit = store.hits.recent.totals()
+        hits = store_status.hits
+        return GatewayStatus(
+            release=__version__,
+            protocol=p.PROTOCOL_VERSION,
+            pid=os.getpid(),
+            socket=str(self.socket_path),
+            config_digest=self.config.gateway.config_digest.short,
+            access=self.access.describe(),
+            started_at_s=self.started_at_s,
+            start_clean=self.start_clean,
+            shm=ShmStatus(
+                path=str(segment.path),
+                bytes=segment.size,
+                ring_bytes=self.ring_bytes,
+                free_bytes=transfers.ring.free_bytes,
+                pinned=transfers.pinned,
+                in_place_bytes=transfers.reserved_bytes,
+            ),
+            clients=[AttachedClient(c.name, c.pid) for c in connections if c.greeted],
+            detached=[DetachedClient(name, pid, at_s, unclean, _alive(pid)) for name, pid, at_s, unclean in detached],
+            transfers_open=sum(len(c.batches) for c in connections),
+            counters=counters,
+            rejected=dict(counts.rejected),
+            hit_rate=HitRate(
+                window_s=store.hits.recent.window_s,
+                recent_lookup_tokens=recent_query,
+                recent_hit_tokens=recent_hit,
+                lookup_tokens=hits.lookup_tokens,
+                hit_tokens=hits.hit_tokens,
+                lookups=hits.lookups,
+            ),
+            store=store_status,
+            cards=self._cards(),
+            refill=refill.status(),
+            layouts=self.layouts.layouts(),
+        )
+
+    def _cards(self) -> dict[str, CardStatus]:
+        """The card section of each tier on a card that answers; one that does not shows
+        in its tier's health and breaker instead."""
+        assert self.store is not None
+        cards = {}
+        for tier in self.store.tiers:
+            if isinstance(tier.device, CardDevice):
+                try:
+                    cards[tier.name] = tier.device.card_status()
+                except (DeviceError, OSError) as err:
+                    self._once.say(
+                        f"card-status:{tier.name}", f"tier {tier.name}: the card's status is unreadable: {err}"
+                    )
+        return cards
 
     # -- one client --------------------------------------------------------
 
@@ -422,7 +496,7 @@ class Gateway:
 
     def _answer(self, connection: _Connection, kind: int, body: memoryview) -> p.Message:
         message = p.decode_body(kind, body)
-        if not connection.greeted and not isinstance(message, p.Hello):
+        if not connection.greeted and not isinstance(message, (p.Hello, *READ_ONLY_QUERIES)):
             raise p.ProtocolError(p.ErrorCode.NOT_READY, "the first message must be HELLO")
         if connection.greeted and isinstance(message, p.Hello):
             # One client per connection: a second HELLO must not count it twice (see `Lifetime`).
@@ -438,6 +512,7 @@ class Gateway:
             raise p.ProtocolError(p.ErrorCode.INTERNAL, f"{type(err).__name__}: {err}") from None
         if isinstance(message, p.Hello):
             connection.greeted = True
+            connection.name = message.client
             connection.peer = f"client {message.client!r} (pid {message.pid})"
         return reply
 
@@ -474,6 +549,8 @@ class Gateway:
             _log.info("kvharbor: %s detached", connection.peer)
         with self._clients_lock:
             self._clients.pop(connection.sock, None)
+            if connection.greeted:
+                self._detached.append((connection.name, connection.pid, time.time(), bool(open_batches)))
         connection.sock.close()
         if connection.greeted and self._lifetime is not None:
             self._lifetime.detach()  # Last: every request of this client has been answered.
@@ -512,6 +589,8 @@ class Gateway:
                 return p.Released(batch_id)
             case p.Status():
                 return p.StatusOk(self.status())
+            case p.Locate(keys=keys):
+                return p.LocateOk(self._locate(keys))
         raise p.ProtocolError(p.ErrorCode.MALFORMED, f"{type(message).__name__} is not a request")
 
     def _hello(self, hello: p.Hello) -> p.Message:
@@ -536,15 +615,41 @@ class Gateway:
                 "sections: give this engine the gateway's, or a gateway.socket of its own (left unset, 'derived', "
                 "every config gets a gateway of its own)",
             )
+        layouts = self._layouts_of(hello)
         if self._lifetime is not None:
             if not self.segment.path.exists():
                 self._step_aside(f"its shared memory {self.segment.path} was removed", "")
             if not self._lifetime.attach():
                 raise p.ProtocolError(p.ErrorCode.STEPPING_ASIDE, f"embedded gateway (pid {os.getpid()}) is stopping")
+        if layouts:
+            assert self.layouts is not None
+            self.layouts.register(layouts, hello.client)
         _log.info("kvharbor: client %r (pid %d) attached", hello.client, hello.pid)
         return p.HelloOk(
             p.PROTOCOL_VERSION, __version__, str(self.segment.path), self.segment.size, self.ring_bytes, os.getpid()
         )
+
+    @staticmethod
+    def _layouts_of(hello: p.Hello) -> list[LayoutFingerprint]:
+        """The layouts ``hello`` registers; refuses the handshake for one that is not a
+        canonical fingerprint (a registry must name what the digests stand for exactly)."""
+        layouts = []
+        for i, raw in enumerate(hello.layouts):
+            try:
+                layouts.append(LayoutFingerprint.from_canonical(raw))
+            except ValueError as err:
+                raise p.ProtocolError(p.ErrorCode.MALFORMED, f"HELLO layout {i}: {err}") from None
+        return layouts
+
+    def _locate(self, keys: Sequence[bytes]) -> list[int]:
+        """`p.LocateOk.holders` of ``keys``: from each tier's index (or device), nothing read."""
+        assert self.store is not None
+        holders = [0] * len(keys)
+        for bit, tier in enumerate(self.store.tiers):
+            for i, present in enumerate(tier.contains(keys)):
+                if present:
+                    holders[i] |= 1 << bit
+        return holders
 
     def _step_aside(self, why: str, detail: str) -> None:
         """An embedded gateway with no clients that cannot serve a new one exits for it:

@@ -29,6 +29,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from kvharbor import __version__
+from kvharbor.telemetry.window import RecentTokens
 
 LATENCY_BUCKETS_S = (
     0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0,
@@ -269,7 +270,10 @@ class TierMetrics:
 class HitMetrics:
     """Lookups and hits in tokens (`HitCounts`), counted by the store on every probe."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, window_s: int = 300) -> None:
+        """``window_s``: the span of `recent` (``telemetry.hit_rate_window_s``)."""
+        self.recent = RecentTokens(window_s)
+        """The last ``window_s`` seconds, for status (Prometheus takes rates of the counters)."""
         self._lookups = Counter("kvharbor_lookups_total", "LOOKUP requests answered", registry=registry)
         self._lookup_tokens = Counter("kvharbor_lookup_tokens_total", "Full-chunk tokens looked up", registry=registry)
         self._hit_tokens = Counter(
@@ -286,6 +290,7 @@ class HitMetrics:
         self._lookups.inc()
         self._lookup_tokens.inc(lookup_tokens)
         self._hit_tokens.inc(hit_tokens)
+        self.recent.record(lookup_tokens, hit_tokens)
 
     def snapshot(self) -> HitCounts:
         return HitCounts(int(_value(self._lookups)), int(_value(self._lookup_tokens)), int(_value(self._hit_tokens)))
@@ -313,6 +318,7 @@ class GatewayMetrics:
         error_kinds: Iterable[str] = (),
         request_types: Mapping[int, str] | None = None,
         registry: CollectorRegistry | None = None,
+        hit_rate_window_s: int = 300,
     ) -> None:
         """``error_kinds``: the ``kvharbor_errors_total`` kinds bound at start (the protocol's
         `ErrorCode` names; `EXTRA_ERROR_KINDS` are always bound): every kind is a series
@@ -322,7 +328,7 @@ class GatewayMetrics:
         r = self.registry
         self.info = Gauge("kvharbor_gateway_info", "Which gateway answers (always 1)", ["release", "protocol"],
                           registry=r)  # fmt: skip
-        self.hits = HitMetrics(r)
+        self.hits = HitMetrics(r, hit_rate_window_s)
         self.tiers = TierFamilies(r)
         self._requests = Counter("kvharbor_requests_total", "Protocol requests served, by message type", ["type"],
                                  registry=r)  # fmt: skip

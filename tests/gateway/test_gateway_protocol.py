@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from kvharbor.config import ConfigDigest, GatewaySection
 from kvharbor.gateway import protocol as p
 from kvharbor.gateway.protocol import FRAME_BYTES, KEYS_PER_MESSAGE_MAX, ErrorCode, ProtocolError
+from tests.support.status_sample import sample_status
 
 keys = st.binary(min_size=16, max_size=16)
 key_lists = st.lists(keys, max_size=40)
@@ -19,13 +20,17 @@ text = st.text(max_size=60)
 digests = st.builds(ConfigDigest, st.lists(st.tuples(text, text), max_size=p.DIGEST_SECTIONS_MAX).map(tuple))
 
 messages = st.one_of(
-    st.builds(p.Hello, st.just(p.PROTOCOL_VERSION), text, u32, text, digests),
+    st.builds(
+        p.Hello, st.just(p.PROTOCOL_VERSION), text, u32, text, digests, st.lists(st.binary(), max_size=4).map(tuple)
+    ),
     # Another protocol's HELLO keeps only what its refusal names (the digest may have another form).
     st.builds(p.Hello, u32.filter(lambda v: v != p.PROTOCOL_VERSION), text, u32, text, st.just(ConfigDigest(()))),
     st.builds(p.HelloOk, u32, text, text, u64, u64, u32),
     st.builds(p.Error, st.sampled_from(ErrorCode), text),
     st.builds(p.Lookup, u32, key_lists, u64),
     u32.flatmap(lambda hits: st.builds(p.LookupOk, st.just(hits), st.integers(0, hits))),
+    st.builds(p.Locate, key_lists),
+    st.builds(p.LocateOk, st.lists(u64, max_size=40)),
     st.builds(p.Verify, u64, st.lists(st.tuples(keys, keys), max_size=40)),
     st.builds(p.VerifyOk, u32),
     st.builds(p.Drop, key_lists),
@@ -39,7 +44,7 @@ messages = st.one_of(
     st.builds(p.Release, u64),
     st.builds(p.Released, u64),
     st.builds(p.Status),
-    st.builds(p.StatusOk, st.dictionaries(st.text(max_size=8), st.integers() | st.text(max_size=8), max_size=8)),
+    st.builds(p.StatusOk, st.just(sample_status())),
 )
 
 
@@ -111,7 +116,7 @@ def test_deeply_nested_status_is_malformed_not_a_crash() -> None:
 
 def test_status_must_be_an_object() -> None:
     body = (2).to_bytes(4, "little") + b"[]"
-    with pytest.raises(ProtocolError, match="not an object"):
+    with pytest.raises(ProtocolError, match="not a gateway status of this release"):
         p.decode(p.FRAME.pack(len(body), p.MessageType.STATUS_OK, 0, 1) + body)
 
 

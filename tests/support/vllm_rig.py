@@ -33,7 +33,7 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 import kvharbor.connector.vllm.connector as connector_module
-from kvharbor.connector.link import CacheLink, RankSwitch
+from kvharbor.connector.link import CacheLink, Connect, RankSwitch
 from kvharbor.connector.vllm.metadata import KVHarborMetadata
 from kvharbor.connector.vllm.scheduler import SchedulerSide
 from tests.gateway.gateway_harness import WAIT_S
@@ -98,7 +98,8 @@ class SchedulerRig:
         )
         self.gateway = gateway
 
-        def link(config: Any, name: str) -> CacheLink:
+        def link(config: Any, name: str, connect: Connect | None = None) -> CacheLink:
+            # Not the connector's own connect (it would start an embedded gateway): this test's.
             return CacheLink(config, name, connect=self.gateway.connect, switch=RankSwitch())
 
         # The connector vLLM builds here talks to this test's gateway.

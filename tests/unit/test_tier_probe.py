@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 
 import pytest
 
@@ -119,15 +120,31 @@ def test_each_change_of_a_tiers_health_is_said_once_a_lasting_state_is_not(caplo
     ]  # fmt: skip
 
 
-def test_the_prober_thread_says_a_health_change_without_requests(caplog: pytest.LogCaptureFixture) -> None:
+def test_the_prober_thread_says_a_health_change_without_requests() -> None:
     tier, device = card_tier()
     device.faults.fail_supercap()
-    with caplog.at_level(logging.INFO, logger="kvharbor"):
-        prober = TierProber([tier], interval_s=0.01, health_interval_s=0.01).start()
-        try:
-            deadline = time.monotonic() + 30
-            while not any("health degraded" in r.getMessage() for r in caplog.records):
-                assert time.monotonic() < deadline, "the prober never said the card's health"
-                time.sleep(0.01)  # Polling the log line the prober writes, bounded by the deadline.
-        finally:
-            prober.stop()
+    said = LineSeen("health degraded")
+    logger = logging.getLogger("kvharbor")
+    logger.addHandler(said)
+    prober = TierProber([tier], interval_s=0.01, health_interval_s=0.01).start()
+    try:
+        assert said.wait(30), "the prober never said the card's health"
+    finally:
+        prober.stop()
+        logger.removeHandler(said)
+
+
+class LineSeen(logging.Handler):
+    """Set once a log line containing ``text`` is emitted (by any thread)."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(logging.INFO)
+        self.text = text
+        self._seen = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self._seen.set()
+
+    def wait(self, timeout_s: float) -> bool:
+        return self._seen.wait(timeout_s)
