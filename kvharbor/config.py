@@ -53,6 +53,14 @@ class EngineSection(_Section):
     the engine is told it has them; a request waits at most this long (other requests are
     scheduled meanwhile). Past it, the chunks not read back by then are recomputed, not
     promised. 0: only chunks in RAM are promised."""
+    verify_idle_wait_ms: int = Field(
+        10, ge=0, description="longest pause of an idle engine step for a read-back to finish"
+    )
+    """An engine whose only requests wait for their read-back steps without running anything,
+    and in Python such a loop starves the read-back's thread of the interpreter (its answer
+    arrived 2 s late on a loaded 2-core machine: past ``verify_wait_ms``). Such a step waits
+    for the read-back instead, at most this long; a request arriving meanwhile starts at most
+    this much later. 0: never wait."""
     # The worker's data path (`connector.vllm.datapath`); none of these changes what is stored.
     load_batch_mb: int = Field(256, gt=0, le=4096, description="MiB asked of the gateway per load request")
     """Also the size of each of the two device staging slots a GPU's loads pass through (one is

@@ -164,3 +164,20 @@ def test_a_load_that_fails_after_its_promise_is_recomputed_and_saved_again(
 @pytest.fixture
 def rig(tiny_model: Path, real_gateway: RealGateway) -> SchedulerRig:
     return SchedulerRig(tiny_model, gateway=real_gateway)
+
+
+def test_an_idle_step_waits_for_the_read_back_instead_of_spinning(tiny_model: Path, files_gateway: RealGateway) -> None:
+    """A step with nothing to run gives the verifier's thread the interpreter: it returns
+    with the read-back finished (its bound here is far beyond any read-back's time)."""
+    rig = SchedulerRig(tiny_model, gateway=files_gateway, engine={"verify_idle_wait_ms": 600_000})
+    tokens = prompt(1001)
+    rig.hold(rig.keys(tokens))
+    rig.add("r", tokens)
+
+    idle = rig.step()
+
+    assert idle.scheduled("r") == 0
+    job = rig.side._requests["r"].verification
+    assert job is not None and job.done.is_set() and job.verified == 3
+    steps = rig.run()
+    assert steps[0].new_request("r").num_computed_tokens == bound(1001)

@@ -252,7 +252,23 @@ class SchedulerSide:
             self._plan_save(meta, req_id, state, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
         if not meta.loads:
             meta.step_flops = self._prefill_flops(scheduler_output)
+        if not scheduled:
+            self._wait_for_read_back()
         return meta
+
+    def _wait_for_read_back(self) -> None:
+        """An idle step (nothing scheduled: the engine only has requests waiting for their
+        read-back) waits for one to finish, up to ``engine.verify_idle_wait_ms``.
+
+        vLLM steps again at once, and a loop that keeps taking the interpreter back starves
+        the verifier's thread of it: its request left 2 s late on a loaded machine, past the
+        read-back's deadline. Waiting on the read-back's event lets that thread run now.
+        """
+        wait_s = self.config.engine.verify_idle_wait_ms / 1000
+        pending = [s.verification for s in self._requests.values() if s.verification and not s.verification.settled]
+        if wait_s > 0 and pending:
+            first = min(pending, key=lambda job: job.deadline)
+            first.done.wait(min(wait_s, max(0.0, first.deadline - time.monotonic())))
 
     def observe(self, stats: Any) -> None:
         """A step's stats from the workers (`update_connector_output`): learn the load
