@@ -33,6 +33,7 @@ from kvharbor.cache.assembly import device_limit, open_store
 from kvharbor.cache.refill import RamRefill
 from kvharbor.cache.store import TieredStore
 from kvharbor.config import MIB, Config
+from kvharbor.dashboard.servers import Dashboard
 from kvharbor.gateway import protocol as p
 from kvharbor.gateway.access import AccessPolicy, Peer, peer_of
 from kvharbor.gateway.lifetime import Lifetime
@@ -133,10 +134,16 @@ class GatewayCounters:
 
 
 class Gateway:
-    def __init__(self, config: Config, start_clean: bool = False, linger_s: float = 0.0) -> None:
+    def __init__(
+        self, config: Config, start_clean: bool = False, linger_s: float = 0.0, config_path: Path | None = None
+    ) -> None:
         """``linger_s`` > 0: an embedded gateway whose life its clients decide (`Lifetime`);
-        0: it serves until stopped (a signal, or its embedding engine's exit)."""
+        0: it serves until stopped (a signal, or its embedding engine's exit).
+        ``config_path``: the file ``config`` came from, where the dashboard writes an edit."""
         self.config = config
+        """The config in force; the dashboard may replace it by one differing in settings read at each use."""
+        self.config_path = config_path
+        self.dashboard: Dashboard | None = None
         self.start_clean = start_clean
         self.socket_path = Path(config.gateway.socket)
         self.access = AccessPolicy(config.gateway.access)
@@ -208,6 +215,10 @@ class Gateway:
             self._lifetime.start()
         self.refill.start()
         self._prober.start()
+        self.dashboard = Dashboard.start(
+            lambda: self.config, self._take_config, self.config_path, self.status, self.readiness,
+            self.store.status, lambda: self.metrics.registry,
+        )  # fmt: skip
         _log.info(
             "kvharbor: gateway %s (protocol %d, pid %d) serving %s, shared memory %s (%d MiB), start-clean=%d",
             __version__, p.PROTOCOL_VERSION, os.getpid(), self.socket_path, self.segment.path,
@@ -317,7 +328,7 @@ class Gateway:
             if self._stopped:
                 return
             self._stopped = True
-            self._stopping.set()
+            self._stopping.set()  # From here /readyz answers 503.
             if self._lifetime is not None:
                 self._lifetime.close()
             if self._listener is not None:
@@ -331,6 +342,8 @@ class Gateway:
             self._stop_clients()
             if self._prober is not None:
                 self._prober.stop()
+            if self.dashboard is not None:
+                self.dashboard.stop()  # Before the store closes: the page reads it.
             if self.refill is not None:
                 self.refill.stop(self.config.gateway.stop_timeout_ms / 1000)
             if self.transfers is not None:
@@ -392,7 +405,23 @@ class Gateway:
             "counters": counters,
             "store": asdict(self.store.status()),
             "refill": asdict(self.refill.status()),
+            "dashboard": None if self.dashboard is None else asdict(self.dashboard.status),
         }
+
+    def readiness(self) -> str | None:
+        """None while the gateway accepts clients with its store open; else why not (``/readyz``)."""
+        if self._stopping.is_set():
+            return "the gateway is stopping"
+        if self._listener is None or self.store is None:
+            return "the gateway is starting"
+        return None
+
+    def _take_config(self, config: Config) -> None:
+        """Put ``config`` in force (a dashboard edit): it must serve the same storage, or
+        clients of the old config would be refused by a gateway still serving it."""
+        if config.gateway.config_digest != self.config.gateway.config_digest:
+            raise ValueError("a config put in force must have the storage and card sections in force")
+        self.config = config
 
     # -- one client --------------------------------------------------------
 

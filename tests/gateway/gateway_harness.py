@@ -51,10 +51,17 @@ def new_key(rng: random.Random) -> bytes:
 
 
 def write_config(
-    directory: Path, *, tiers: list[dict[str, Any]] | None = None, storage: dict[str, Any] | None = None, **gateway: Any
+    directory: Path,
+    *,
+    tiers: list[dict[str, Any]] | None = None,
+    storage: dict[str, Any] | None = None,
+    dashboard: dict[str, Any] | None = None,
+    telemetry: dict[str, Any] | None = None,
+    **gateway: Any,
 ) -> Path:
-    """A config of its own for one test: socket in ``directory``, a unique shm_name;
-    ``storage``: more settings of the storage section."""
+    """A config of its own for one test: socket in ``directory``, a unique shm_name, the
+    dashboard and /metrics on ports the system picks (tests run side by side);
+    ``storage``, ``dashboard``, ``telemetry``: more settings of those sections."""
     directory.mkdir(parents=True, exist_ok=True)
     section: dict[str, Any] = {
         "mode": "service",
@@ -73,6 +80,8 @@ def write_config(
             "probe": True,
             **(storage or {}),
         },
+        "dashboard": {"port": 0, **(dashboard or {})},
+        "telemetry": telemetry or {"prometheus": {"port": 0}},
     }
     path = directory / "kvharbor.yaml"
     path.write_text(yaml.safe_dump(document))
