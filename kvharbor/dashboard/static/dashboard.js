@@ -86,8 +86,10 @@ function draw(id, series, data, yRange) {
     const options = {
       width: element.clientWidth, height: element.clientHeight - 30,
       scales: { x: { time: true }, y: yRange ? { range: yRange } : {} },
+      // spanGaps: an interval without lookups has no hit rate; the line joins its neighbours
+      // (uPlot clips a point standing alone between gaps away).
       series: [{}, ...series.map((s, i) => ({ label: s.label, stroke: COLORS[i % COLORS.length], width: 2,
-                                                spanGaps: false, points: { show: true, size: 4 } }))],
+                                                spanGaps: true, points: { show: true, size: 5 } }))],
     };
     charts[id] = { key, plot: new uPlot(options, data, element) };
   } else {
