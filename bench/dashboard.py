@@ -28,6 +28,7 @@ import time
 import urllib.request
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -60,10 +61,12 @@ def _scraper(metrics_url: str, page_url: str, scrape_hz: float, refresh_s: float
 
 def ports(client: GatewayClient) -> tuple[int, int]:
     """The dashboard's and the /metrics listener's ports, from the gateway's status."""
-    dashboard = client.status()["dashboard"]
-    if dashboard is None or dashboard["metrics_port"] is None:
+    status = client.status()
+    if status.dashboard_url is None or status.metrics_url is None:
         raise SystemExit("the gateway serves no dashboard or no /metrics listener; see its log")
-    return dashboard["port"], dashboard["metrics_port"]
+    dashboard, metrics = urlsplit(status.dashboard_url).port, urlsplit(status.metrics_url).port
+    assert dashboard is not None and metrics is not None
+    return dashboard, metrics
 
 
 def main() -> None:

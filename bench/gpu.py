@@ -377,7 +377,7 @@ def bench_gateway(args: argparse.Namespace) -> None:
         )
         result["restore_mismatched_blocks_sampled"] = int(bad)
         client = GatewayClient.connect(config.gateway, "bench status")
-        result["gateway_status"] = client.status()
+        result["gateway_status"] = client.status().to_document()
         client.close()
     finally:
         path.close()
@@ -528,7 +528,7 @@ def gateway_status(section: Any) -> dict[str, Any] | None:
     except GatewayError:
         return None
     try:
-        return client.status()
+        return client.status().to_document()
     finally:
         client.close()
 

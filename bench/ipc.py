@@ -376,9 +376,9 @@ def memory_per_key(section: GatewaySection, pid: int, keys: int, value_bytes: in
         status = client.status()
     finally:
         client.close()
-    stored = status["store"]["tiers"][0]
-    assert stored["keys"] == keys, stored
-    values_in_segment = status["shm"]["bytes"] > status["shm"]["ring_bytes"]
+    stored = status.store.tiers[0]
+    assert stored.keys == keys, stored
+    values_in_segment = status.shm.bytes > status.shm.ring_bytes
     grown = after["RssAnon"] - before["RssAnon"]
     values_anon = 0 if values_in_segment else keys * (value_bytes + HEADER_BYTES)
     return {

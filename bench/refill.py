@@ -93,14 +93,14 @@ def foreground(section: GatewaySection, value: bytes, ops: int, while_refilling:
     try:
         for _ in range(ops):
             # Both loops ask for the status between two samples, so both carry its cost.
-            if client.status()["refill"]["state"] != "running" and while_refilling:
+            if client.status().refill.state != "running" and while_refilling:
                 break
             samples.append(put_get(client, uuid.uuid4().bytes, value))
         if while_refilling and not samples:
             raise SystemExit(f"the refill ended before the first sample ({client.status()['refill']}): raise --objects")
-        while client.status()["refill"]["state"] == "running":
+        while client.status().refill.state == "running":
             time.sleep(0.05)  # A benchmark polling for its end, not a test's synchronisation.
-        return samples, client.status()["refill"]
+        return samples, client.status().refill
     finally:
         client.close()
 
@@ -140,8 +140,8 @@ def main() -> None:
             figures[f"fg_samples_{rate}"] = len(busy)
             figures[f"fg_p50_ms_refill_{rate}"] = round(percentile(busy, 0.5) * 1e3, 3)
             figures[f"fg_p99_ms_refill_{rate}"] = round(percentile(busy, 0.99) * 1e3, 3)
-            figures[f"refill_objects_{rate}"] = refill["objects"]
-            figures[f"refill_mb_per_s_{rate}"] = round(refill["bytes"] / MIB / max(refill["seconds"], 1e-9), 1)
+            figures[f"refill_objects_{rate}"] = refill.objects
+            figures[f"refill_mb_per_s_{rate}"] = round(refill.bytes / MIB / max(refill.seconds, 1e-9), 1)
             ratios[f"fg_p50_refill_vs_quiet_{rate}"] = percentile(busy, 0.5) / percentile(quiet, 0.5)
             ratios[f"fg_p99_refill_vs_quiet_{rate}"] = percentile(busy, 0.99) / percentile(quiet, 0.99)
     emit(figures, ratios, args.json)

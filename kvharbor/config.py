@@ -421,6 +421,9 @@ class PrometheusSection(_Section):
 
 class TelemetrySection(_Section):
     prometheus: PrometheusSection = PrometheusSection()
+    hit_rate_window_s: int = Field(
+        300, gt=0, le=86_400, description="the recent window of the hit rate that status and the dashboard show"
+    )
 
 
 SHARED_SECTIONS = ("storage", "card")

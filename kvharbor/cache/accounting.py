@@ -3,11 +3,17 @@
 Hit rates are read against what is possible: a prompt of N tokens can hit at
 most floor(N / chunk_size) x chunk_size tokens, so queries are counted in
 full-chunk tokens, the same unit as hits.
+
+Besides the totals since start, the last ``window_s`` seconds are kept in
+one-second buckets (at most ``window_s`` of them): a recent hit rate that shows
+a restart's cold cache warming up, which the totals of a long run hide.
 """
 
 from __future__ import annotations
 
 import threading
+import time
+from collections import deque
 from dataclasses import asdict, dataclass
 
 
@@ -19,17 +25,41 @@ class _Totals:
 
 
 class HitAccounting:
-    def __init__(self) -> None:
+    def __init__(self, window_s: int = 300) -> None:
+        if window_s <= 0:
+            raise ValueError(f"the hit-rate window must be > 0 s, got {window_s}")
+        self.window_s = window_s
         self._totals = _Totals()
+        self._recent: deque[list[int]] = deque()
+        """[second, query tokens, hit tokens] per second that saw a lookup, oldest first."""
         self._lock = threading.Lock()
 
     def record(self, query_tokens: int, hit_tokens: int) -> None:
         assert 0 <= hit_tokens <= query_tokens, (hit_tokens, query_tokens)
+        second = int(time.monotonic())
         with self._lock:
             self._totals.lookups += 1
             self._totals.query_tokens += query_tokens
             self._totals.hit_tokens += hit_tokens
+            recent = self._recent
+            if recent and recent[-1][0] == second:
+                recent[-1][1] += query_tokens
+                recent[-1][2] += hit_tokens
+            else:
+                recent.append([second, query_tokens, hit_tokens])
+                self._forget_before(second)
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:
             return asdict(self._totals)
+
+    def recent(self) -> tuple[int, int]:
+        """(query tokens, hit tokens) of the last ``window_s`` seconds."""
+        with self._lock:
+            self._forget_before(int(time.monotonic()))
+            return sum(b[1] for b in self._recent), sum(b[2] for b in self._recent)
+
+    def _forget_before(self, second: int) -> None:
+        """Drop the buckets older than the window ending at ``second`` (under the lock)."""
+        while self._recent and self._recent[0][0] <= second - self.window_s:
+            self._recent.popleft()

@@ -121,14 +121,17 @@ def open_store(config: Config, start_clean: bool = False, devices: Mapping[str, 
     """Open every configured tier; ``devices`` supplies ready drivers by tier name
     (the gateway's shared-memory RAM tiers), the registry opens the rest."""
     tiers: list[Tier] = []
+    skipped: dict[str, str] = {}
     for section in config.storage.tiers:
         try:
             tier = open_tier(section, config, (devices or {}).get(section.name))
         except ProbeFailed as err:
             _log.warning("kvharbor: tier %s failed its startup probe (%s); skipping", section.name, err)
+            skipped[section.name] = f"probe failed at start: {err}"
             continue
         except (ValueError, DeviceError, OSError) as err:
             _log.warning("kvharbor: tier %s unavailable: %s; skipping", section.name, err)
+            skipped[section.name] = f"unavailable: {err}"
             continue
         if start_clean:
             removed = tier.clear()
@@ -146,4 +149,4 @@ def open_store(config: Config, start_clean: bool = False, devices: Mapping[str, 
             ", ".join(f"{t.name}[{t.device_type}, {t.capacity_bytes / 2**30:g} GiB]" for t in tiers),
             config.storage.write_policy,
         )
-    return TieredStore(tiers, config.storage.write_policy)
+    return TieredStore(tiers, config.storage.write_policy, skipped, config.telemetry.hit_rate_window_s)

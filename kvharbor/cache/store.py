@@ -20,7 +20,7 @@ Contracts:
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Literal
@@ -41,6 +41,8 @@ class StoreStatus:
     tiers: list[TierStatus]
     write_policy: str
     hits: dict[str, int] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+    """Configured tiers that did not open, by name: why (``probe failed: ...``, ``unavailable: ...``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,12 +56,20 @@ class Probe:
 
 
 class TieredStore:
-    def __init__(self, tiers: Sequence[Tier], write_policy: WritePolicy = "write_through") -> None:
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        write_policy: WritePolicy = "write_through",
+        skipped: Mapping[str, str] | None = None,
+        hit_rate_window_s: int = 300,
+    ) -> None:
+        """``skipped``: configured tiers that did not open, and why (shown in `status`)."""
         names = [t.name for t in tiers]
         assert len(set(names)) == len(names), names
         self.tiers = list(tiers)
         self.write_policy = write_policy
-        self.accounting = HitAccounting()
+        self.skipped = dict(skipped or {})
+        self.accounting = HitAccounting(hit_rate_window_s)
         self._closed = False
         self._close_lock = threading.Lock()
         self._once = OnceLog(_log)
@@ -228,6 +238,7 @@ class TieredStore:
             tiers=[t.status() for t in self.tiers],
             write_policy=self.write_policy,
             hits=self.accounting.snapshot(),
+            skipped=dict(self.skipped),
         )
 
     def close(self) -> None:

@@ -59,8 +59,15 @@ class DashboardStatus:
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}/"
+        return f"http://{self._host}:{self.port}/"
+
+    @property
+    def metrics_url(self) -> str | None:
+        return None if self.metrics_port is None else f"http://{self._host}:{self.metrics_port}/metrics"
+
+    @property
+    def _host(self) -> str:
+        return f"[{self.host}]" if ":" in self.host else self.host
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -45,7 +45,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from kvharbor import __version__
 from kvharbor.cache.format import copy_with_checksum
@@ -53,6 +53,7 @@ from kvharbor.config import GatewaySection
 from kvharbor.gateway import protocol as p
 from kvharbor.gateway.access import denied_hint, peer_of
 from kvharbor.gateway.shm import Segment, ShmDenied, ShmUnavailable
+from kvharbor.gateway.status import GatewayStatus
 from kvharbor.gateway.wire import FrameReader, PeerClosed, send_message
 from kvharbor.hal.base import Buffer
 
@@ -325,8 +326,8 @@ class GatewayClient:
     def release(self, batch: GetBatch) -> None:
         self._call(p.Release(batch.batch), p.Released)
 
-    def status(self) -> dict[str, Any]:
-        return self._call(p.Status(), p.StatusOk).document
+    def status(self) -> GatewayStatus:
+        return self._call(p.Status(), p.StatusOk).status
 
     def close(self) -> None:
         """Hang up and unmap. Views handed out earlier keep the mapping alive until dropped."""

@@ -15,7 +15,6 @@ reads past the frame or allocates more than the frame's own size.
 from __future__ import annotations
 
 import enum
-import json
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -23,12 +22,14 @@ from typing import Any, ClassVar, NamedTuple
 
 from kvharbor.cache.keys import KEY_BYTES
 from kvharbor.config import ConfigDigest
+from kvharbor.gateway.status import GatewayStatus, StatusFormError, peek_release
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 """Bumped on any change to frames or message bodies. 2: PROGRESS. 4: PUT_COMMIT carries
 the writer's payload checksums. 5: HELLO carries the client's `ConfigDigest`. 6: PUT_READY
 lends an area for completion marks. 7: LOOKUP checks value sizes and answers which hits
-are resident; VERIFY and DROP."""
+are resident; VERIFY and DROP. 8: STATUS_OK carries a typed `GatewayStatus`; HELLO
+registers the client's layouts; STATUS and LOCATE need no HELLO."""
 
 FRAME = struct.Struct("<IHHQ")
 FRAME_BYTES = FRAME.size
@@ -652,24 +653,24 @@ class Status(Message):
 
 @dataclass(frozen=True, slots=True)
 class StatusOk(Message):
+    """The gateway's `GatewayStatus`, in its JSON form (`GatewayStatus.to_json`)."""
+
     TYPE: ClassVar[MessageType] = MessageType.STATUS_OK
-    document: dict[str, Any] = field(default_factory=dict)
+    status: GatewayStatus
 
     def body(self) -> bytes:
-        raw = json.dumps(self.document, separators=(",", ":")).encode()
+        raw = self.status.to_json().encode()
         return _U32.pack(len(raw)) + raw
 
     @classmethod
     def parse(cls, reader: _Reader) -> StatusOk:
-        raw = reader.take(reader.u32())
+        raw = bytes(reader.take(reader.u32()))
         try:
-            document = json.loads(bytes(raw))
-        except (ValueError, RecursionError):
-            # RecursionError: deeply nested arrays, which json raises for rather than ValueError.
-            raise ProtocolError(ErrorCode.MALFORMED, "status is not JSON") from None
-        if not isinstance(document, dict):
-            raise ProtocolError(ErrorCode.MALFORMED, f"status is a JSON {type(document).__name__}, not an object")
-        return cls(document)
+            return cls(GatewayStatus.from_json(raw))
+        except StatusFormError as err:
+            seen = peek_release(raw)
+            sender = f" (from release {seen[0]} protocol {seen[1]})" if seen else ""
+            raise ProtocolError(ErrorCode.MALFORMED, f"{err}{sender}") from None
 
 
 _TYPES: dict[int, type[Message]] = {

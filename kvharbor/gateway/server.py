@@ -23,10 +23,9 @@ import os
 import socket
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 from kvharbor import __version__
 from kvharbor.cache.assembly import device_limit, open_store
@@ -48,9 +47,10 @@ from kvharbor.gateway.shm import (
     segment_path,
     shm_space,
 )
+from kvharbor.gateway.status import AttachedClient, DetachedClient, GatewayStatus, HitRate, ShmStatus
 from kvharbor.gateway.transfers import Batch, Transfers
 from kvharbor.gateway.wire import FrameReader, PeerClosed, send_message
-from kvharbor.hal.base import Device
+from kvharbor.hal.base import CardDevice, CardStatus, Device, DeviceError
 from kvharbor.hal.extents import round_up
 from kvharbor.hal.shm_ram import SharedRamDevice
 from kvharbor.telemetry.log import OnceLog, get_logger
@@ -66,8 +66,25 @@ whole pages, so the region must hold a little more than the budget counts."""
 ACCEPT_RETRY_MS = 100
 """Back-off after a failed accept (e.g. out of file descriptors) before trying again."""
 
+DETACHED_KEPT = 64
+"""Detached clients remembered for `Gateway.status` (the most recent; a rank that turned
+its cache off is one of them while its process lives)."""
+
 CLOSING_REFUSALS = frozenset({p.ErrorCode.VERSION_MISMATCH, p.ErrorCode.CONFIG_MISMATCH, p.ErrorCode.STEPPING_ASIDE})
 """Refused HELLOs after which the connection is closed: nothing else could be served on it."""
+
+
+def _alive(pid: int) -> bool:
+    """Does process ``pid`` exist (signal 0 checks without sending)? Another user's counts."""
+    if pid <= 0:
+        return False  # Unknown; and signal 0 to pid 0 would ask about our own process group.
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 class GatewayStartError(Exception):
@@ -105,8 +122,12 @@ class _Connection:
     """What the gateway knows about one client connection; touched only by its thread."""
 
     sock: socket.socket
+    pid: int = 0
+    """The client's process, from the socket's peer credentials."""
     batches: dict[int, Batch] = field(default_factory=dict)
     peer: str = "a client before HELLO"
+    name: str = ""
+    """The client's name, from its HELLO."""
     greeted: bool = False
     refusals_logged: set[p.ErrorCode] = field(default_factory=set)
     progress: _Progress | None = None
@@ -162,6 +183,9 @@ class Gateway:
         self._lock_file: int | None = None
         self._clients: dict[socket.socket, tuple[_Connection, threading.Thread]] = {}
         self._clients_lock = threading.Lock()
+        self._detached: deque[tuple[str, int, float, bool]] = deque(maxlen=DETACHED_KEPT)
+        """(name, pid, when, unclean) of the clients that detached, under ``_clients_lock``."""
+        self.started_at_s = time.time()
         self._counters_lock = threading.Lock()
         self._stopping = threading.Event()
         # Held for the whole of `stop`: a second caller (signal thread, main
@@ -216,9 +240,14 @@ class Gateway:
         self.refill.start()
         self._prober.start()
         self.dashboard = Dashboard.start(
-            lambda: self.config, self._take_config, self.config_path, self.status, self.readiness,
-            self.store.status, lambda: self.metrics.registry,
-        )  # fmt: skip
+            config=lambda: self.config,
+            apply_config=self._take_config,
+            config_path=self.config_path,
+            status=lambda: self.status().to_document(),
+            readiness=self.readiness,
+            store_status=self.store.status,
+            registry=lambda: self.metrics.registry,
+        )
         _log.info(
             "kvharbor: gateway %s (protocol %d, pid %d) serving %s, shared memory %s (%d MiB), start-clean=%d",
             __version__, p.PROTOCOL_VERSION, os.getpid(), self.socket_path, self.segment.path,
@@ -298,7 +327,7 @@ class Gateway:
                 refuse = True
             else:
                 refuse = False
-                connection = _Connection(sock)
+                connection = _Connection(sock, peer.pid)
                 thread = threading.Thread(
                     target=self._serve_client, args=(connection,), daemon=True, name="kvharbor-client"
                 )
@@ -377,36 +406,71 @@ class Gateway:
                 busy, self.config.gateway.stop_timeout_ms,
             )  # fmt: skip
 
-    def status(self) -> dict[str, Any]:
-        assert self.store is not None and self.transfers is not None and self.segment is not None
-        assert self.refill is not None
+    def status(self) -> GatewayStatus:
+        """What this gateway is and holds now (see `kvharbor.gateway.status`)."""
+        store, transfers, segment, refill = self.store, self.transfers, self.segment, self.refill
+        assert store is not None and transfers is not None and segment is not None and refill is not None
         with self._clients_lock:
             connections = [c for c, _ in self._clients.values()]
+            detached = list(self._detached)
         with self._counters_lock:
-            counters = asdict(self.counters)
-            counters["rejected"] = dict(self.counters.rejected)
-        return {
-            "release": __version__,
-            "protocol": p.PROTOCOL_VERSION,
-            "pid": os.getpid(),
-            "socket": str(self.socket_path),
-            "config_digest": self.config.gateway.config_digest.short,
-            "access": self.access.describe(),
-            "shm": {
-                "path": str(self.segment.path),
-                "bytes": self.segment.size,
-                "ring_bytes": self.ring_bytes,
-                "free_bytes": self.transfers.ring.free_bytes,
-                "pinned": self.transfers.pinned,
-                "in_place_bytes": self.transfers.reserved_bytes,
-            },
-            "clients": len(connections),
-            "transfers_open": sum(len(c.batches) for c in connections),
-            "counters": counters,
-            "store": asdict(self.store.status()),
-            "refill": asdict(self.refill.status()),
-            "dashboard": None if self.dashboard is None else asdict(self.dashboard.status),
-        }
+            counters = {name: value for name, value in asdict(self.counters).items() if name != "rejected"}
+            rejected = dict(self.counters.rejected)
+        store_status = store.status()
+        recent_query, recent_hit = store.accounting.recent()
+        hits = store_status.hits
+        return GatewayStatus(
+            release=__version__,
+            protocol=p.PROTOCOL_VERSION,
+            pid=os.getpid(),
+            socket=str(self.socket_path),
+            config_digest=self.config.gateway.config_digest.short,
+            access=self.access.describe(),
+            started_at_s=self.started_at_s,
+            start_clean=self.start_clean,
+            shm=ShmStatus(
+                path=str(segment.path),
+                bytes=segment.size,
+                ring_bytes=self.ring_bytes,
+                free_bytes=transfers.ring.free_bytes,
+                pinned=transfers.pinned,
+                in_place_bytes=transfers.reserved_bytes,
+            ),
+            clients=[AttachedClient(c.name, c.pid) for c in connections if c.greeted],
+            detached=[DetachedClient(name, pid, at_s, unclean, _alive(pid)) for name, pid, at_s, unclean in detached],
+            transfers_open=sum(len(c.batches) for c in connections),
+            counters=counters,
+            rejected=rejected,
+            hit_rate=HitRate(
+                window_s=store.accounting.window_s,
+                recent_lookup_tokens=recent_query,
+                recent_hit_tokens=recent_hit,
+                lookup_tokens=hits["query_tokens"],
+                hit_tokens=hits["hit_tokens"],
+                lookups=hits["lookups"],
+            ),
+            store=store_status,
+            cards=self._cards(),
+            refill=refill.status(),
+            layouts=[],
+            dashboard_url=None if self.dashboard is None else self.dashboard.status.url,
+            metrics_url=None if self.dashboard is None else self.dashboard.status.metrics_url,
+        )
+
+    def _cards(self) -> dict[str, CardStatus]:
+        """The card section of each tier on a card that answers; one that does not shows
+        in its tier's health and breaker instead."""
+        assert self.store is not None
+        cards = {}
+        for tier in self.store.tiers:
+            if isinstance(tier.device, CardDevice):
+                try:
+                    cards[tier.name] = tier.device.card_status()
+                except (DeviceError, OSError) as err:
+                    self._once.say(
+                        f"card-status:{tier.name}", f"tier {tier.name}: the card's status is unreadable: {err}"
+                    )
+        return cards
 
     def readiness(self) -> str | None:
         """None while the gateway accepts clients with its store open; else why not (``/readyz``)."""
@@ -471,6 +535,7 @@ class Gateway:
             raise p.ProtocolError(p.ErrorCode.INTERNAL, f"{type(err).__name__}: {err}") from None
         if isinstance(message, p.Hello):
             connection.greeted = True
+            connection.name = message.client
             connection.peer = f"client {message.client!r} (pid {message.pid})"
         return reply
 
@@ -506,6 +571,8 @@ class Gateway:
             _log.info("kvharbor: %s detached", connection.peer)
         with self._clients_lock:
             self._clients.pop(connection.sock, None)
+            if connection.greeted:
+                self._detached.append((connection.name, connection.pid, time.time(), bool(open_batches)))
         connection.sock.close()
         if connection.greeted and self._lifetime is not None:
             self._lifetime.detach()  # Last: every request of this client has been answered.

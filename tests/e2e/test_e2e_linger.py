@@ -29,8 +29,8 @@ def ram_keys(lab: Lab) -> tuple[int, int]:
     """(gateway pid, keys its RAM tier holds), asked through a real client."""
     with contextlib.closing(lab.gateway_client()) as client:
         status = client.status()
-    (ram,) = status["store"]["tiers"]
-    return client.hello.gateway_pid, int(ram["keys"])
+    (ram,) = status.store.tiers
+    return client.hello.gateway_pid, int(ram.keys)
 
 
 def wait_until(condition: Callable[[], bool], what: str) -> None:

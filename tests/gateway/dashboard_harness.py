@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import socket
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import httpx
 from gateway_harness import WAIT_S, GatewayProcess, closing_client
@@ -21,8 +22,13 @@ class Ports:
 def ports_of(gateway: GatewayProcess) -> Ports | None:
     """The ports the gateway bound (it reports them in its status), None if it serves no dashboard."""
     with closing_client(gateway.client("ports")) as client:
-        dashboard = client.status()["dashboard"]
-    return None if dashboard is None else Ports(dashboard["port"], dashboard["metrics_port"])
+        status = client.status()
+    if status.dashboard_url is None:
+        return None
+    metrics = None if status.metrics_url is None else urlsplit(status.metrics_url).port
+    dashboard = urlsplit(status.dashboard_url).port
+    assert dashboard is not None, status.dashboard_url
+    return Ports(dashboard, metrics)
 
 
 def http(port: int, token: str | None = TOKEN) -> httpx.Client:

@@ -21,6 +21,7 @@ from kvharbor import __version__
 from kvharbor.config import load_config
 from kvharbor.gateway.client import GatewayRefused
 from kvharbor.gateway.protocol import PROTOCOL_VERSION
+from kvharbor.gateway.status import GatewayStatus
 
 UNAUTHORIZED = {"error": "unauthorized"}
 BAD_HOST = {"error": "bad Host header"}
@@ -66,8 +67,9 @@ def test_every_endpoint_answers(served: tuple[GatewayProcess, Ports]) -> None:
         assert f"static/dashboard.js?token={TOKEN}" in page.text, "the page's own files need the token too"
         assert web.get(f"/static/dashboard.js?token={TOKEN}").status_code == 200
         assert "uPlot" in web.get("/static/vendor/uplot/uPlot.iife.min.js").text
-        status = web.get("/api/status").json()
-        assert status["pid"] == gateway.pid and status["dashboard"]["port"] == ports.dashboard
+        status = GatewayStatus.from_json(web.get("/api/status").text)  # The one JSON form of the status.
+        assert status.pid == gateway.pid and status.dashboard_url == f"http://127.0.0.1:{ports.dashboard}/"
+        assert status.metrics_url == f"http://127.0.0.1:{ports.metrics}/metrics"
         history = web.get("/api/history").json()
         assert history["interval_s"] == 0.1 and list(history["tiers"]) == ["ram"]
         assert len(history["t"]) == len(history["hit_rate"]) == len(history["tiers"]["ram"]["used_bytes"]) >= 1

@@ -134,12 +134,12 @@ def test_each_bad_message_gets_its_code_and_the_gateway_serves_on(gateway: Gatew
         commit = p.PutCommit(ready.batch, [1, 2]).body()
         assert raw.refused(MessageType.PUT_COMMIT, commit) is ErrorCode.MALFORMED
         assert bystander.lookup([b"n" * 16]) == 0
-        assert bystander.status()["shm"]["in_place_bytes"] == 0
+        assert bystander.status().shm.in_place_bytes == 0
         # Oversized: answered, then the connection is closed (it cannot be resynchronised).
         assert raw.refused(MessageType.LOOKUP, b"", length=(1 << 20) + 1) is ErrorCode.TOO_LARGE
         with pytest.raises(PeerClosed):
             raw.reply()
-        rejected = bystander.status()["counters"]["rejected"]
+        rejected = bystander.status().rejected
         assert rejected == {
             "NOT_READY": 1,
             "MALFORMED": 7,
@@ -149,8 +149,8 @@ def test_each_bad_message_gets_its_code_and_the_gateway_serves_on(gateway: Gatew
         }
         assert get_values(bystander, [KEY]) == [value_for(KEY, 5000)]
         # The bad peer's open put batches were freed when it was hung up on.
-        shm = bystander.status()["shm"]
-        assert shm["free_bytes"] == shm["ring_bytes"] and shm["in_place_bytes"] == 0
+        shm = bystander.status().shm
+        assert shm.free_bytes == shm.ring_bytes and shm.in_place_bytes == 0
 
 
 def test_truncated_frame_then_hang_up(gateway: GatewayProcess) -> None:
@@ -199,7 +199,7 @@ def test_a_bug_below_fails_one_request_not_the_gateway(tmp_path: Path, monkeypat
             client.lookup([KEY])
         monkeypatch.undo()
         assert client.lookup([KEY]) == 0
-        assert client.status()["counters"]["rejected"] == {"INTERNAL": 1}
+        assert client.status().rejected == {"INTERNAL": 1}
         client.close()
     finally:
         gateway.stop()

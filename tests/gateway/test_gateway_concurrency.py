@@ -44,11 +44,11 @@ def test_many_clients_read_back_exactly_what_was_written(lab: Lab, started: Call
 
     with closing_client(gateway.client()) as client:
         status = client.status()
-    assert status["counters"]["clients_total"] == THREADS + PROCESSES + 1
-    assert status["counters"]["rejected"] == {}
-    assert status["shm"]["free_bytes"] == status["shm"]["ring_bytes"], "every transfer gave its room back"
-    assert status["shm"]["in_place_bytes"] == 0, "every put written in place was committed"
-    assert status["transfers_open"] == 0
+    assert status.counters["clients_total"] == THREADS + PROCESSES + 1
+    assert status.rejected == {}
+    assert status.shm.free_bytes == status.shm.ring_bytes, "every transfer gave its room back"
+    assert status.shm.in_place_bytes == 0, "every put written in place was committed"
+    assert status.transfers_open == 0
 
 
 def test_one_client_shared_by_threads(started: Callable[..., GatewayProcess]) -> None:

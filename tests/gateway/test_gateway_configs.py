@@ -112,8 +112,8 @@ def test_another_config_on_an_explicit_socket_is_refused_naming_what_differs(
     with closing_client(gateway.client("same-config")) as client:  # The gateway serves its own config on.
         assert client.lookup(keys_of(1)) == 0
         status = client.status()
-        assert status["counters"]["rejected"] == {"CONFIG_MISMATCH": 2}
-        assert status["config_digest"] == gateway.config.gateway.config_digest.short
+        assert status.rejected == {"CONFIG_MISMATCH": 2}
+        assert status.config_digest == gateway.config.gateway.config_digest.short
     assert gateway.log().count("CONFIG_MISMATCH") == 2
 
 

@@ -123,7 +123,7 @@ def test_client_does_not_reconnect_to_a_new_gateway(lab: Lab) -> None:
         with closing_client(second.client("new")) as new:
             status = new.status()
             assert new.hello.gateway_pid == second.pid != first.pid
-    assert status["counters"]["clients_total"] == 1, "the old client never came back"
+    assert status.counters["clients_total"] == 1, "the old client never came back"
 
 
 # -- a client dies mid-transfer ----------------------------------------------
@@ -132,24 +132,24 @@ def test_client_does_not_reconnect_to_a_new_gateway(lab: Lab) -> None:
 def test_client_killed_holding_a_put_frees_its_room(lab: Lab, started: Callable[..., GatewayProcess]) -> None:
     gateway = started(ring_mb=32)
     with closing_client(gateway.client("observer")) as observer:
-        full = observer.status()["shm"]["ring_bytes"]
+        full = observer.status().shm.ring_bytes
         worker = lab.worker("hold-put", str(gateway.config_path), str(8 * MIB), "3")
         assert worker.line() == "prepared"
-        held = observer.status()["shm"]
+        held = observer.status().shm
         # Lent in the ring, or in place in the RAM tier: 24 MiB in flight either way,
         # and a page of the ring for the batch's completion marks.
-        assert full - held["free_bytes"] + held["in_place_bytes"] == 24 * MIB + PAGE_BYTES
+        assert full - held.free_bytes + held.in_place_bytes == 24 * MIB + PAGE_BYTES
         worker.kill()
         wait_until(
-            lambda: (shm := observer.status()["shm"])["free_bytes"] == full and shm["in_place_bytes"] == 0,
+            lambda: (shm := observer.status().shm).free_bytes == full and shm.in_place_bytes == 0,
             "the dead client's room freed",
         )
         status = observer.status()
-        assert status["transfers_open"] == 0
-        assert status["counters"]["clients_died_mid_transfer"] == 1
+        assert status.transfers_open == 0
+        assert status.counters["clients_died_mid_transfer"] == 1
         # Its half-written values were never committed, nor marked: nothing of it is stored.
         assert observer.lookup([bytes([0]) * 16]) == 0
-        assert status["counters"]["unmarked_dropped"] == 3
+        assert status.counters["unmarked_dropped"] == 3
         # And the ring serves others at full size again.
         items = [(key, 8 * MIB) for key in keys_of(3, tag=7)]
         assert put_values(observer, items) == 3
@@ -170,20 +170,20 @@ def test_client_killed_before_its_commit_has_its_marked_values_stored(
     size = 1 * MIB
     keys = [bytes([0xA0 + i]) * 16 for i in range(5)]
     with closing_client(gateway.client("observer")) as observer:
-        full = observer.status()["shm"]["ring_bytes"]
+        full = observer.status().shm.ring_bytes
         worker = lab.worker("marked-put", str(gateway.config_path), str(size))
         assert worker.line() == "prepared"
         assert [observer.lookup([key]) for key in keys] == [0] * 5, "nothing is stored before the writer is gone"
         worker.kill()
         wait_until(
-            lambda: (shm := observer.status()["shm"])["free_bytes"] == full and shm["in_place_bytes"] == 0,
+            lambda: (shm := observer.status().shm).free_bytes == full and shm.in_place_bytes == 0,
             "the dead client's room freed",
         )
         # The two values marked complete are stored, with their bytes; the half-written one,
         # the one damaged after its checksum and the one marked for another place are not.
         assert [observer.lookup([key]) for key in keys] == [1, 1, 0, 0, 0]
         assert get_values(observer, keys[:2]) == [value_for(key, size) for key in keys[:2]]
-        counters = observer.status()["counters"]
+        counters = observer.status().counters
         assert (counters["marked_stored"], counters["marks_refused"], counters["unmarked_dropped"]) == (2, 2, 1)
         assert counters["clients_died_mid_transfer"] == 1
     assert "stored 2 value(s) it had marked complete, refused 2 mark(s)" in gateway.log()
@@ -194,15 +194,15 @@ def test_client_killed_holding_a_get_frees_its_room(lab: Lab, started: Callable[
     items = [(key, 4 * MIB) for key in keys_of(4)]
     with closing_client(gateway.client("observer")) as observer:
         put_values(observer, items)
-        full = observer.status()["shm"]["ring_bytes"]
+        full = observer.status().shm.ring_bytes
         worker = lab.worker("hold-get", str(gateway.config_path), *(k.hex() for k, _ in items))
         assert worker.line() == "holding 4"
-        held = observer.status()["shm"]
+        held = observer.status().shm
         # Hits come from the ring (copied there) or in place from the RAM tier (pinned).
-        assert held["free_bytes"] < full or held["pinned"] == len(items)
+        assert held.free_bytes < full or held.pinned == len(items)
         worker.kill()
         wait_until(
-            lambda: observer.status()["shm"]["free_bytes"] == full and observer.status()["shm"]["pinned"] == 0,
+            lambda: observer.status().shm.free_bytes == full and observer.status().shm.pinned == 0,
             "the dead client's room freed and its pins released",
         )
         assert get_values(observer, [k for k, _ in items]) == [value_for(k, n) for k, n in items]
@@ -255,7 +255,7 @@ def test_full_ring_skips_puts_and_counts_them(lab: Lab, started: Callable[..., G
         assert b.get(FINGERPRINT, [stored_key]).views == []
         b.commit_put(skipped)
         a.commit_put(held)
-        counters = a.status()["counters"]
+        counters = a.status().counters
         assert counters["ring_full"] == 3
         # Room again: the same put now goes through.
         assert put_values(b, [(keys_of(1, tag=2)[0], 2 * MIB)]) == 1

@@ -33,7 +33,7 @@ def test_other_release_is_refused_and_the_gateway_serves_on(started: Callable[..
         GatewayClient.connect(gateway.config.gateway, "odd-engine", protocol=99)
     with closing_client(gateway.client("right-engine")) as client:
         assert client.lookup([b"k" * 16]) == 0
-        assert client.status()["counters"]["rejected"] == {"VERSION_MISMATCH": 2}
+        assert client.status().rejected == {"VERSION_MISMATCH": 2}
     log = gateway.log()
     assert "VERSION_MISMATCH" in log and "9.9.9" in log and __version__ in log
 

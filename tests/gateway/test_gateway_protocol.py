@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from kvharbor.config import ConfigDigest, GatewaySection
 from kvharbor.gateway import protocol as p
 from kvharbor.gateway.protocol import FRAME_BYTES, KEYS_PER_MESSAGE_MAX, ErrorCode, ProtocolError
+from tests.support.status_sample import sample_status
 
 keys = st.binary(min_size=16, max_size=16)
 key_lists = st.lists(keys, max_size=40)
@@ -39,7 +40,7 @@ messages = st.one_of(
     st.builds(p.Release, u64),
     st.builds(p.Released, u64),
     st.builds(p.Status),
-    st.builds(p.StatusOk, st.dictionaries(st.text(max_size=8), st.integers() | st.text(max_size=8), max_size=8)),
+    st.builds(p.StatusOk, st.just(sample_status())),
 )
 
 
@@ -111,7 +112,7 @@ def test_deeply_nested_status_is_malformed_not_a_crash() -> None:
 
 def test_status_must_be_an_object() -> None:
     body = (2).to_bytes(4, "little") + b"[]"
-    with pytest.raises(ProtocolError, match="not an object"):
+    with pytest.raises(ProtocolError, match="not a gateway status of this release"):
         p.decode(p.FRAME.pack(len(body), p.MessageType.STATUS_OK, 0, 1) + body)
 
 

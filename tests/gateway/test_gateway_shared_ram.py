@@ -43,11 +43,11 @@ def test_ram_hits_are_served_in_place_beyond_the_ring(started: Callable[..., Gat
             assert len(batch.views) == 4
             base = client.segment.view
             assert all(view.obj is base.obj for view in batch.views)
-            status = client.status()["shm"]
-            assert status["pinned"] == 4 and status["free_bytes"] == ring
+            status = client.status().shm
+            assert status.pinned == 4 and status.free_bytes == ring
         finally:
             client.release(batch)
-        assert client.status()["shm"]["pinned"] == 0
+        assert client.status().shm.pinned == 0
         assert get_values(client, [k for k, _ in items]) == [value_for(k, n) for k, n in items]
 
 
@@ -92,14 +92,14 @@ def test_puts_are_written_in_place_in_the_ram_tier(started: Callable[..., Gatewa
         # 6 MiB lent beyond the ring, the values' final places; of the ring only a page
         # for the batch's completion marks.
         assert all(offset >= ring for offset in spans)
-        shm = client.status()["shm"]
-        assert shm["free_bytes"] == ring - PAGE_BYTES and shm["in_place_bytes"] == 6 * MIB
+        shm = client.status().shm
+        assert shm.free_bytes == ring - PAGE_BYTES and shm.in_place_bytes == 6 * MIB
         assert batch.views[0] is not None
         batch.views[0][:] = value_for(*items[0])  # Filled by hand: the gateway checksums it.
         batch.write(1, value_for(*items[1]))  # Copied with its checksum, sent with the commit.
         assert batch.commit_checksums() == [], "not every value came with a checksum: none are sent"
         assert client.commit_put(batch) == 2
-        assert client.status()["shm"]["in_place_bytes"] == 0
+        assert client.status().shm.in_place_bytes == 0
         hits = client.get(FINGERPRINT, [k for k, _ in items])
         try:
             # Served from where they were written: nothing was copied to store them.
@@ -136,8 +136,8 @@ def test_in_flight_puts_in_place_are_bounded_by_the_ring(started: Callable[..., 
         fill(batch, items)
         assert client.commit_put(batch) == 3
         assert get_values(client, [k for k, _ in items]) == [value_for(k, n) for k, n in items]
-        shm = client.status()["shm"]
-        assert shm["free_bytes"] == ring and shm["in_place_bytes"] == 0
+        shm = client.status().shm
+        assert shm.free_bytes == ring and shm.in_place_bytes == 0
 
 
 def test_puts_go_through_the_ring_when_the_first_tier_is_not_in_shared_memory(
@@ -201,8 +201,8 @@ def test_room_for_a_put_in_place_comes_from_the_least_recent_values(
         kept = [client.lookup([key]) for key, _ in old]
         assert kept[0] == 1, "the value read last stays"
         assert sum(kept) <= 3, "older values made room"
-        tier = client.status()["store"]["tiers"][0]
-        assert tier["used_bytes"] <= tier["capacity_bytes"]
+        tier = client.status().store.tiers[0]
+        assert tier.used_bytes <= tier.capacity_bytes
 
 
 def address_in(client: GatewayClient, view: memoryview | None) -> int:

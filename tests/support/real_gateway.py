@@ -19,6 +19,7 @@ from typing import Any
 from kvharbor.config import Config, load_config
 from kvharbor.gateway.client import GatewayClient
 from kvharbor.gateway.server import Gateway
+from kvharbor.gateway.status import GatewayStatus
 from tests.gateway.gateway_harness import WAIT_S, remove_segments, write_config
 
 INSPECTOR = "inspector"
@@ -110,21 +111,21 @@ class RealGateway:
 
     # -- what it saw -------------------------------------------------------
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> GatewayStatus:
         assert self.server is not None, "not serving"
         return self.server.status()
 
     @property
     def lookups(self) -> int:
         """LOOKUP requests the gateway answered."""
-        return int(self.status()["store"]["hits"]["lookups"])
+        return int(self.status().store.hits["lookups"])
 
     @property
     def connects(self) -> int:
         """Client connections the gateway accepted."""
-        return int(self.status()["counters"]["clients_total"])
+        return int(self.status().counters["clients_total"])
 
     @property
     def puts(self) -> int:
         """Values stored (every tier counts its own; this is the first tier's)."""
-        return int(self.status()["store"]["tiers"][0]["counters"].get("puts", 0))
+        return int(self.status().store.tiers[0].counters.get("puts", 0))

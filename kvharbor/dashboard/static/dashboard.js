@@ -33,13 +33,14 @@ function cell(row, text, cls) {
 
 // Everything the page reads of /api/status, in one place.
 function figures(status) {
-  const hits = status.store.hits;
+  const hits = status.hit_rate;
+  const cards = Object.entries(status.cards);
   return {
     gateway: `release ${status.release} · pid ${status.pid} · ${status.socket}`,
-    lookups: hits.lookups, queryTokens: hits.query_tokens, hitTokens: hits.hit_tokens,
-    clients: status.clients,
+    lookups: hits.lookups, queryTokens: hits.lookup_tokens, hitTokens: hits.hit_tokens,
+    clients: status.clients.length,
     tiers: status.store.tiers,
-    card: status.card || null,
+    card: cards.length ? { tier: cards[0][0], ...cards[0][1] } : null,
   };
 }
 

@@ -1,0 +1,56 @@
+"""`GatewayStatus`'s one JSON form: what the socket, ``kvharbor status --json`` and the dashboard carry."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+from kvharbor.gateway.status import GatewayStatus, StatusFormError, peek_release, tier_condition
+from tests.support.status_sample import sample_status
+
+
+def test_the_json_form_round_trips_into_the_same_typed_status() -> None:
+    status = sample_status()
+    again = GatewayStatus.from_json(status.to_json())
+    assert again == status
+    assert again.layouts[0].fingerprint.chunk_size == 16 and again.cards["card"].capacity_usage.value == "WARNING"
+
+
+def test_an_unreadable_card_temperature_survives_as_nan_in_strict_json() -> None:
+    text = sample_status(temperature_c=math.nan).to_json()
+    document = json.loads(text)  # Strict JSON: no bare NaN token.
+    assert document["cards"]["card"]["temperature_c"] == "NaN"
+    assert math.isnan(GatewayStatus.from_json(text).cards["card"].temperature_c)
+
+
+def test_a_document_of_another_form_is_refused_naming_the_field_and_its_release_still_read() -> None:
+    document = sample_status().to_document()
+    del document["shm"]
+    text = json.dumps(document)
+    with pytest.raises(StatusFormError, match="shm"):
+        GatewayStatus.from_json(text)
+    assert peek_release(text) == ("0.0.0", 8)
+    assert peek_release("[1]") is None and peek_release("not json") is None
+
+
+def test_hit_rates_are_none_before_any_lookup_and_tokens_over_tokens_after() -> None:
+    rate = sample_status().hit_rate
+    assert rate.recent == 0.5 and rate.total == 48 / 128
+    empty = GatewayStatus.from_json(
+        sample_status().to_json().replace('"recent_lookup_tokens":64', '"recent_lookup_tokens":0')
+    )
+    assert empty.hit_rate.recent is None
+
+
+def test_tier_conditions_name_the_breaker_the_health_and_the_tiers_that_did_not_open() -> None:
+    status = sample_status()
+    assert status.tier_conditions() == {
+        "card": "degraded: CapacityUsage WARNING",
+        "files": "unavailable: no such directory",
+    }
+    (tier,) = status.store.tiers
+    open_breaker = dataclasses.replace(tier, breaker="open")
+    assert tier_condition(open_breaker).startswith("breaker open")
