@@ -19,13 +19,11 @@ from __future__ import annotations
 
 import html
 import json
-from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 from urllib.parse import quote
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
@@ -35,10 +33,10 @@ from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvharbor.config import Config
 from kvharbor.dashboard.config_edit import LIVE_KEYS, ConfigEditor, ConfigEditRefused, dump
 from kvharbor.dashboard.guard import Guard
 from kvharbor.dashboard.history import History
+from kvharbor.dashboard.hooks import GatewayHooks
 from kvharbor.dashboard.logbuffer import RecentLog
 from kvharbor.telemetry.log import OnceLog, get_logger
 
@@ -53,24 +51,6 @@ PAGE_REFRESH = "{{refresh_interval_ms}}"
 
 class BodyTooLarge(Exception):
     pass
-
-
-class Sources:
-    """What the app reads from the gateway, each behind one function."""
-
-    def __init__(
-        self,
-        config: Callable[[], Config],
-        status: Callable[[], Any],
-        readiness: Callable[[], str | None],
-        registry: Callable[[], CollectorRegistry],
-    ) -> None:
-        self.config = config
-        self.status = status
-        """A JSON document of the gateway's status."""
-        self.readiness = readiness
-        """None when ready, else why not."""
-        self.registry = registry
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -90,17 +70,17 @@ async def _read_body(request: Request, limit_bytes: int) -> bytes:
     return bytes(body)
 
 
-def build_app(sources: Sources, history: History, recent: RecentLog, editor: ConfigEditor) -> ASGIApp:
+def build_app(hooks: GatewayHooks, history: History, recent: RecentLog, editor: ConfigEditor) -> ASGIApp:
     page = (STATIC_DIR / "index.html").read_text()
 
     def index(request: Request) -> HTMLResponse:
         token = request.query_params.get("token")
         query = html.escape(f"?token={quote(token, safe='')}") if token is not None else ""
-        refresh = str(sources.config().dashboard.refresh_interval_ms)
+        refresh = str(hooks.config().dashboard.refresh_interval_ms)
         return HTMLResponse(page.replace(PAGE_QUERY, query).replace(PAGE_REFRESH, refresh))
 
     def status(_: Request) -> JSONResponse:
-        return JSONResponse(sources.status())
+        return JSONResponse(hooks.status())
 
     def history_(_: Request) -> JSONResponse:
         return JSONResponse(history.document())
@@ -109,19 +89,19 @@ def build_app(sources: Sources, history: History, recent: RecentLog, editor: Con
         return JSONResponse({"lines": recent.document()})
 
     def metrics(_: Request) -> Response:
-        return Response(generate_latest(sources.registry()), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(hooks.registry()), media_type=CONTENT_TYPE_LATEST)
 
     def healthz(_: Request) -> JSONResponse:
         return JSONResponse({"status": "ok"})
 
     def readyz(_: Request) -> JSONResponse:
-        reason = sources.readiness()
+        reason = hooks.readiness()
         if reason is None:
             return JSONResponse({"status": "ready"})
         return JSONResponse({"status": "not ready", "reason": reason}, status_code=503)
 
     def config_get(_: Request) -> JSONResponse:
-        config = sources.config()
+        config = hooks.config()
         return JSONResponse({
             "path": None if editor.path is None else str(editor.path),
             "allow_config_edit": config.dashboard.allow_config_edit,
@@ -130,7 +110,7 @@ def build_app(sources: Sources, history: History, recent: RecentLog, editor: Con
         })  # fmt: skip
 
     async def config_post(request: Request) -> JSONResponse:
-        limit = sources.config().dashboard.request_body_bytes_max
+        limit = hooks.config().dashboard.request_body_bytes_max
         try:
             editor.ensure_allowed()
         except ConfigEditRefused as refused:
@@ -166,19 +146,19 @@ def build_app(sources: Sources, history: History, recent: RecentLog, editor: Con
         Route("/api/config", config_post, methods=["POST"]),
         Mount("/static", StaticFiles(directory=STATIC_DIR)),
     ]
-    return _assemble(routes, sources)
+    return _assemble(routes, hooks)
 
 
-def build_metrics_app(sources: Sources) -> ASGIApp:
+def build_metrics_app(hooks: GatewayHooks) -> ASGIApp:
     """The ``telemetry.prometheus.port`` listener's app: ``/metrics`` alone, behind the same guard."""
 
     def metrics(_: Request) -> Response:
-        return Response(generate_latest(sources.registry()), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(hooks.registry()), media_type=CONTENT_TYPE_LATEST)
 
-    return _assemble([Route("/metrics", metrics)], sources)
+    return _assemble([Route("/metrics", metrics)], hooks)
 
 
-def _assemble(routes: list[BaseRoute], sources: Sources) -> ASGIApp:
+def _assemble(routes: list[BaseRoute], hooks: GatewayHooks) -> ASGIApp:
     async def http_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         return JSONResponse({"error": exc.detail}, status_code=exc.status_code, headers=exc.headers)
@@ -187,7 +167,7 @@ def _assemble(routes: list[BaseRoute], sources: Sources) -> ASGIApp:
         return _error(500, f"internal error serving {request.url.path}; the gateway's log says more")
 
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: internal_error})
-    return _Contained(Guard(app, lambda: sources.config().dashboard))
+    return _Contained(Guard(app, lambda: hooks.config().dashboard))
 
 
 class _Contained:

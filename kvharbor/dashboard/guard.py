@@ -46,14 +46,28 @@ def host_name(header: str) -> str:
     return name
 
 
+def addresses(host: str, port: int) -> list[tuple[socket.AddressFamily, tuple[str, int]]]:
+    """What ``host`` (an address or a name) resolves to, as (family, (address, port)); raises OSError.
+    An address is taken as written, with no resolver call."""
+    try:
+        literal = ipaddress.ip_address(host)
+    except ValueError:
+        # Bytes: a str name would be IDNA-encoded, through a codec a process that cannot
+        # import it (a restricted user's interpreter) fails on with LookupError, not OSError.
+        infos = socket.getaddrinfo(host.encode(), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        return [(info[0], (str(info[4][0]), port)) for info in infos]
+    family = socket.AF_INET6 if literal.version == 6 else socket.AF_INET
+    return [(family, (host, port))]
+
+
 def is_loopback(host: str) -> bool:
     """True if every address ``host`` resolves to is a loopback address (``localhost``,
     127.0.0.0/8, ::1); a name that does not resolve is not."""
     try:
-        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except OSError:
+        found = addresses(host, 0)
+    except (OSError, UnicodeError):
         return False
-    return bool(infos) and all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos)
+    return bool(found) and all(ipaddress.ip_address(address).is_loopback for _, (address, _) in found)
 
 
 def exposure_problem(section: DashboardSection) -> str | None:

@@ -24,18 +24,16 @@ import errno
 import logging
 import socket
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import uvicorn
 
-from kvharbor.config import Config
-from kvharbor.dashboard.app import Sources, build_app, build_metrics_app
+from kvharbor.dashboard.app import build_app, build_metrics_app
 from kvharbor.dashboard.config_edit import ConfigEditor
-from kvharbor.dashboard.guard import exposure_problem
+from kvharbor.dashboard.guard import addresses, exposure_problem
 from kvharbor.dashboard.history import History
+from kvharbor.dashboard.hooks import GatewayHooks
 from kvharbor.dashboard.logbuffer import RecentLog
 from kvharbor.telemetry.log import get_logger
 
@@ -72,9 +70,11 @@ class DashboardStatus:
 
 def _bind(host: str, port: int) -> socket.socket:
     """A listening TCP socket on ``host:port`` (IPv4 or IPv6, as ``host`` resolves); raises OSError."""
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    family, kind, proto, _, address = infos[0]
-    sock = socket.socket(family, kind, proto)
+    try:
+        family, address = addresses(host, port)[0]
+    except UnicodeError as err:
+        raise OSError(f"dashboard.host {host!r} is not a host name: {err}") from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         # Not SO_REUSEPORT: a second gateway must find the port taken, not share it.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -102,18 +102,19 @@ class Dashboard:
         self._thread = threading.Thread(target=self._run, daemon=True, name="kvharbor-dashboard")
 
     @classmethod
-    def start(
-        cls,
-        config: Callable[[], Config],
-        apply_config: Callable[[Config], None],
-        config_path: Path | None,
-        status: Callable[[], Any],
-        readiness: Callable[[], str | None],
-        store_status: Callable[[], Any],
-        registry: Callable[[], Any],
-    ) -> Dashboard | None:
-        """Bind and serve; None (said in the log) when disabled, refused or the port is taken."""
-        settings = config().dashboard
+    def start(cls, hooks: GatewayHooks) -> Dashboard | None:
+        """Bind and serve; None (said in the log) when disabled, refused or the port is taken.
+        Nothing that goes wrong here stops the gateway: an internal error is said and the
+        gateway serves on without a dashboard."""
+        try:
+            return cls._serve(hooks)
+        except Exception as err:
+            _log.exception("kvharbor: dashboard not started: internal error %s; the gateway serves on without it", err)
+            return None
+
+    @classmethod
+    def _serve(cls, hooks: GatewayHooks) -> Dashboard | None:
+        settings = hooks.config().dashboard
         if not settings.enabled:
             return None
         problem = exposure_problem(settings)
@@ -129,7 +130,7 @@ class Dashboard:
                 settings.port, _why(err),
             )  # fmt: skip
             return None
-        prometheus_port = config().telemetry.prometheus.port
+        prometheus_port = hooks.config().telemetry.prometheus.port
         metrics: socket.socket | None
         try:
             metrics = _bind(settings.host, prometheus_port)
@@ -140,13 +141,19 @@ class Dashboard:
                 "(telemetry.prometheus.port)",
                 prometheus_port, _why(err),
             )  # fmt: skip
-        sources = Sources(config, status, readiness, registry)
-        history = History(store_status, settings.history_interval_s, settings.history_samples_max)
-        recent = RecentLog(settings.log_lines_max)
-        editor = ConfigEditor(config_path, config, apply_config)
-        servers = [(_server(build_app(sources, history, recent, editor), settings.request_header_bytes_max), main)]
-        if metrics is not None:
-            servers.append((_server(build_metrics_app(sources), settings.request_header_bytes_max), metrics))
+        try:
+            history = History(hooks.store_status, settings.history_interval_s, settings.history_samples_max)
+            recent = RecentLog(settings.log_lines_max)
+            editor = ConfigEditor(hooks.config_path, hooks.config, hooks.apply_config)
+            servers = [(_server(build_app(hooks, history, recent, editor), settings.request_header_bytes_max), main)]
+            if metrics is not None:
+                servers.append((_server(build_metrics_app(hooks), settings.request_header_bytes_max), metrics))
+        except BaseException:
+            # A port bound but never served would take connections that no one answers.
+            for sock in (main, metrics):
+                if sock is not None:
+                    sock.close()
+            raise
         metrics_port = None if metrics is None else metrics.getsockname()[1]
         bound = DashboardStatus(settings.host, main.getsockname()[1], metrics_port)
         dashboard = cls(servers, bound, history, recent)

@@ -32,6 +32,7 @@ from kvharbor.cache.assembly import device_limit, open_store
 from kvharbor.cache.refill import RamRefill
 from kvharbor.cache.store import TieredStore
 from kvharbor.config import MIB, Config
+from kvharbor.dashboard.hooks import GatewayHooks
 from kvharbor.dashboard.servers import Dashboard
 from kvharbor.gateway import protocol as p
 from kvharbor.gateway.access import AccessPolicy, Peer, peer_of
@@ -240,13 +241,15 @@ class Gateway:
         self.refill.start()
         self._prober.start()
         self.dashboard = Dashboard.start(
-            config=lambda: self.config,
-            apply_config=self._take_config,
-            config_path=self.config_path,
-            status=lambda: self.status().to_document(),
-            readiness=self.readiness,
-            store_status=self.store.status,
-            registry=lambda: self.metrics.registry,
+            GatewayHooks(
+                config=lambda: self.config,
+                apply_config=self._take_config,
+                config_path=self.config_path,
+                status=lambda: self.status().to_document(),
+                readiness=self.readiness,
+                store_status=self.store.status,
+                registry=lambda: self.metrics.registry,
+            )
         )
         _log.info(
             "kvharbor: gateway %s (protocol %d, pid %d) serving %s, shared memory %s (%d MiB), start-clean=%d",

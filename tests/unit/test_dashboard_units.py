@@ -11,10 +11,11 @@ from starlette.testclient import TestClient
 from kvharbor.cache.store import StoreStatus
 from kvharbor.cache.tier import TierStatus
 from kvharbor.config import DashboardSection, load_config
-from kvharbor.dashboard.app import Sources, build_app
+from kvharbor.dashboard.app import build_app
 from kvharbor.dashboard.config_edit import ConfigEditor, ConfigEditRefused, leaves
 from kvharbor.dashboard.guard import exposure_problem, host_name
 from kvharbor.dashboard.history import History
+from kvharbor.dashboard.hooks import GatewayHooks
 from kvharbor.dashboard.logbuffer import RecentLog
 from tests.support.real_gateway import RealGateway
 
@@ -57,9 +58,17 @@ def test_readyz_answers_503_with_the_reason(tmp_path: Path) -> None:
         server = gateway.server
         assert server is not None and server.readiness() is None
         config = gateway.config
-        sources = Sources(lambda: config, dict, server.readiness, lambda: server.metrics.registry)
-        editor = ConfigEditor(None, lambda: config, lambda _: None)
-        app = build_app(sources, History(lambda: _status(0, 0, 0, 0), 1.0, 2), RecentLog(10), editor)
+        hooks = GatewayHooks(
+            config=lambda: config,
+            apply_config=lambda _: None,
+            config_path=None,
+            status=dict,
+            readiness=server.readiness,
+            store_status=lambda: _status(0, 0, 0, 0),
+            registry=lambda: server.metrics.registry,
+        )
+        editor = ConfigEditor(None, hooks.config, hooks.apply_config)
+        app = build_app(hooks, History(hooks.store_status, 1.0, 2), RecentLog(10), editor)
         with TestClient(app, base_url="http://localhost") as web:
             assert web.get("/readyz").json() == {"status": "ready"}
             gateway.stop()
