@@ -14,12 +14,21 @@ import httpx
 import pytest
 import yaml
 from dashboard_harness import TOKEN, Ports, http, ports_of, raw_request
-from gateway_harness import FINGERPRINT, GatewayProcess, Lab, closing_client, keys_of, put_values, wait_until
+from gateway_harness import (
+    FINGERPRINT,
+    GatewayProcess,
+    Lab,
+    closing_client,
+    keys_of,
+    put_values,
+    wait_for_exit,
+    wait_until,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvharbor import __version__
 from kvharbor.config import load_config
-from kvharbor.gateway.client import GatewayRefused
+from kvharbor.gateway.client import GatewayClient, GatewayRefused
 from kvharbor.gateway.protocol import PROTOCOL_VERSION
 from kvharbor.gateway.status import GatewayStatus
 
@@ -288,3 +297,25 @@ def test_the_dashboard_stops_with_the_gateway(lab: Lab, tmp_path: Path) -> None:
     assert gateway.stop() == 0
     with pytest.raises(httpx.ConnectError), http(ports.dashboard) as web:
         web.get("/healthz")
+
+
+def test_an_embedded_gateway_serves_the_dashboard_too(lab: Lab) -> None:
+    config_path = lab.config(mode="embedded", linger_s=0, dashboard={"auth_token": TOKEN})
+    config = load_config(config_path, environ={})
+    lab.shm.add((Path(config.gateway.shm_dir), config.gateway.shm_name))
+    starter = lab.worker("embedded", str(config_path))
+    gateway_pid = int(starter.line().split()[0])
+    lab.detached.add(gateway_pid)
+    with closing_client(GatewayClient.connect(config.gateway, "look")) as client:
+        url = client.status().dashboard_url
+    assert url is not None
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}) as web:
+        assert web.get("/api/status").json()["pid"] == gateway_pid
+        # Its file: the copy of the engine's config the starter wrote beside the socket.
+        assert web.get("/api/config").json()["path"] == str(
+            Path(config.gateway.socket).with_suffix(".sock.config.json")
+        )
+        starter.kill()
+        wait_for_exit(gateway_pid)
+        with pytest.raises(httpx.ConnectError):
+            web.get("/healthz")
