@@ -281,7 +281,8 @@ def _default_tiers() -> list[TierSection]:
 
 
 class StorageSection(_Section):
-    tiers: list[TierSection] = Field(default_factory=_default_tiers, min_length=1)
+    # At most 16: a tool's LOCATE answer names the tiers of a key in one 64-bit mask.
+    tiers: list[TierSection] = Field(default_factory=_default_tiers, min_length=1, max_length=16)
     write_policy: Literal["write_through", "write_back"] = "write_through"
     """write_through: a put reaches every tier before it returns; write_back: lower
     tiers are written when an object is evicted from the one above."""

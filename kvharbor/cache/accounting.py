@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 
@@ -25,10 +26,12 @@ class _Totals:
 
 
 class HitAccounting:
-    def __init__(self, window_s: int = 300) -> None:
+    def __init__(self, window_s: int = 300, clock: Callable[[], float] = time.monotonic) -> None:
+        """``clock``: seconds, for the recent window (monotonic; a test's own clock)."""
         if window_s <= 0:
             raise ValueError(f"the hit-rate window must be > 0 s, got {window_s}")
         self.window_s = window_s
+        self._clock = clock
         self._totals = _Totals()
         self._recent: deque[list[int]] = deque()
         """[second, query tokens, hit tokens] per second that saw a lookup, oldest first."""
@@ -36,7 +39,7 @@ class HitAccounting:
 
     def record(self, query_tokens: int, hit_tokens: int) -> None:
         assert 0 <= hit_tokens <= query_tokens, (hit_tokens, query_tokens)
-        second = int(time.monotonic())
+        second = int(self._clock())
         with self._lock:
             self._totals.lookups += 1
             self._totals.query_tokens += query_tokens
@@ -56,7 +59,7 @@ class HitAccounting:
     def recent(self) -> tuple[int, int]:
         """(query tokens, hit tokens) of the last ``window_s`` seconds."""
         with self._lock:
-            self._forget_before(int(time.monotonic()))
+            self._forget_before(int(self._clock()))
             return sum(b[1] for b in self._recent), sum(b[2] for b in self._recent)
 
     def _forget_before(self, second: int) -> None:

@@ -22,7 +22,7 @@ import json
 import operator
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from hashlib import blake2b
 from typing import NewType
 
@@ -135,6 +135,42 @@ class LayoutFingerprint:
         fields["extra"] = [list(pair) for pair in sorted(self.extra)]
         document = {"encoding": FINGERPRINT_ENCODING_VERSION, "layout": fields}
         return json.dumps(document, sort_keys=True, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_canonical(cls, raw: bytes) -> LayoutFingerprint:
+        """The fingerprint whose `canonical` encoding is ``raw``; raises ValueError for
+        bytes that are not exactly such an encoding (another encoding version, a field this
+        release does not know, a non-canonical spelling): what a client registers must
+        hash to the digest its objects carry."""
+        try:
+            document = json.loads(raw)
+            if document.get("encoding") != FINGERPRINT_ENCODING_VERSION:
+                raise ValueError(
+                    f"encoding {document.get('encoding')!r}, this release reads {FINGERPRINT_ENCODING_VERSION}"
+                )
+            layout = dict(document["layout"])
+            layout["kv_shapes"] = tuple(layout["kv_shapes"])
+            layout["extra"] = tuple((str(name), str(value)) for name, value in layout["extra"])
+            fingerprint = cls(**layout)
+        except KeyError as err:
+            raise ValueError(f"not a canonical layout fingerprint: it has no field {err}") from None
+        except (ValueError, TypeError, AttributeError, RecursionError) as err:
+            raise ValueError(f"not a canonical layout fingerprint: {err}") from None
+        if fingerprint.canonical() != bytes(raw):
+            raise ValueError("not a canonical layout fingerprint: its fields encode to other bytes")
+        return fingerprint
+
+    def differing_fields(self, other: LayoutFingerprint) -> list[str]:
+        """The names of the fields in which ``other`` differs (``extra`` by its names:
+        ``extra.block_size``), in field order."""
+        names = []
+        for name in (f.name for f in fields(self)):
+            if name == "extra":
+                mine, theirs = dict(self.extra), dict(other.extra)
+                names += [f"extra.{n}" for n in sorted(mine.keys() | theirs.keys()) if mine.get(n) != theirs.get(n)]
+            elif getattr(self, name) != getattr(other, name):
+                names.append(name)
+        return names
 
     def digest(self) -> bytes:
         """16 bytes that stand for the whole layout inside every key."""

@@ -30,6 +30,7 @@ import os
 import sqlite3
 import threading
 import time
+import urllib.parse
 from collections.abc import Iterable, Iterator, Sequence
 
 from kvharbor.cache.index import Entry, OverBudget, TierIndex, check_admission
@@ -494,3 +495,56 @@ def _log_rebuild(tier_name: str, problem: str, recovered: Recovered, seconds: fl
         len(recovered.entries),
         recovered.dropped,
     )
+
+
+class ManifestUnreadable(Exception):
+    """A manifest a `ManifestReader` cannot read; the text names the file and why."""
+
+
+class ManifestReader:
+    """A read-only look at a tier's manifest for tools (``kvharbor status`` and ``doctor``
+    with no gateway answering): it opens the file read-only, never writes, rebuilds or
+    creates anything, and answers from what is committed."""
+
+    def __init__(self, state_dir: str, busy_timeout_ms: int = BUSY_TIMEOUT_MS) -> None:
+        self.path = os.path.join(state_dir, MANIFEST_FILE)
+        if not os.path.isfile(self.path):
+            raise ManifestUnreadable(f"{self.path} does not exist (the tier never ran, or its manifest was removed)")
+        # No write-ahead log beside it: every commit is in the file itself, and reading it as
+        # immutable creates nothing (read-only WAL access would make the -wal and -shm files).
+        # With a log (a writer running, or one that died): read-only, through that log.
+        wal = self.path + "-wal"
+        flags = "mode=ro" if os.path.exists(wal) and os.path.getsize(wal) > 0 else "immutable=1"
+        try:
+            self._db = sqlite3.connect(
+                f"file:{urllib.parse.quote(self.path)}?{flags}",
+                uri=True,
+                isolation_level=None,
+                timeout=busy_timeout_ms / 1000,
+            )
+            row = self._db.execute("SELECT value FROM meta WHERE name = 'format_version'").fetchone()
+        except sqlite3.Error as err:
+            raise ManifestUnreadable(f"{self.path} cannot be read ({err})") from None
+        if row is None or row[0] != FORMAT_VERSION:
+            self._db.close()
+            raise ManifestUnreadable(f"{self.path} is of another format ({row}); the gateway rebuilds it at its start")
+
+    def totals(self) -> tuple[int, int]:
+        """(objects, bytes) the manifest counts."""
+        try:
+            meta = dict(self._db.execute("SELECT name, value FROM meta").fetchall())
+        except sqlite3.Error as err:
+            raise ManifestUnreadable(f"{self.path} cannot be read ({err})") from None
+        return int(meta.get("count", 0)), int(meta.get("used_bytes", 0))
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        if not keys:
+            return []
+        try:
+            found = {bytes(k) for (k,) in self._db.execute(_CONTAINS, _batch(keys)).fetchall()}
+        except sqlite3.Error as err:
+            raise ManifestUnreadable(f"{self.path} cannot be read ({err})") from None
+        return [bytes(key) in found for key in keys]
+
+    def close(self) -> None:
+        self._db.close()

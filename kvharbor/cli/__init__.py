@@ -46,6 +46,8 @@ COMMAND_MODULES: tuple[str, ...] = (
     "kvharbor.cli.gateway",
     "kvharbor.cli.demo",
     "kvharbor.cli.card",
+    "kvharbor.cli.status",
+    "kvharbor.cli.doctor",
 )
 """Modules that each register one command group through ``add_parser(subparsers)``."""
 

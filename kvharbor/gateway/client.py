@@ -49,6 +49,7 @@ from typing import TypeVar
 
 from kvharbor import __version__
 from kvharbor.cache.format import copy_with_checksum
+from kvharbor.cache.keys import LayoutFingerprint
 from kvharbor.config import GatewaySection
 from kvharbor.gateway import protocol as p
 from kvharbor.gateway.access import denied_hint, peer_of
@@ -189,8 +190,13 @@ class GatewayClient:
         client_name: str,
         release: str = __version__,
         protocol: int = p.PROTOCOL_VERSION,
+        layouts: Sequence[LayoutFingerprint] = (),
     ) -> GatewayClient:
-        """Connect, shake hands and map the segment; raises a `GatewayError` subclass."""
+        """Connect, shake hands (registering ``layouts``, the layouts this client stores
+        and looks up under) and map the segment; raises a `GatewayError` subclass."""
+        hello = p.Hello(
+            protocol, release, os.getpid(), client_name, section.config_digest, tuple(f.canonical() for f in layouts)
+        )
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(section.connect_timeout_ms / 1000)
         try:
@@ -207,7 +213,7 @@ class GatewayClient:
             with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                 # A gateway that refuses this process at accept answers before it reads, and
                 # hangs up: its reason is still there to read.
-                send_message(sock, p.Hello(protocol, release, os.getpid(), client_name, section.config_digest), 0)
+                send_message(sock, hello, 0)
             _, reply = FrameReader(sock, section.message_bytes_max).message()
         except (OSError, PeerClosed, p.ProtocolError) as err:
             sock.close()

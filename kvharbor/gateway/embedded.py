@@ -41,8 +41,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
+from kvharbor.cache.keys import LayoutFingerprint
 from kvharbor.config import Config, validate_config
 from kvharbor.gateway.access import AccessPolicy
 from kvharbor.gateway.client import GatewayClient, GatewayError, GatewayNotRunning, GatewaySteppingAside
@@ -78,14 +80,15 @@ def _drop_lifelines_after_fork() -> None:
 os.register_at_fork(after_in_child=_drop_lifelines_after_fork)
 
 
-def connect(config: Config, client_name: str) -> GatewayClient:
-    """Connect to the configured gateway, starting an embedded one if none answers.
+def connect(config: Config, client_name: str, layouts: Sequence[LayoutFingerprint] = ()) -> GatewayClient:
+    """Connect to the configured gateway, starting an embedded one if none answers;
+    ``layouts`` are registered at the handshake (see `GatewayClient.connect`).
 
     Raises `GatewayError` when there is none and none can be started.
     """
     section = config.gateway
     try:
-        return GatewayClient.connect(section, client_name)
+        return GatewayClient.connect(section, client_name, layouts=layouts)
     except GatewayNotRunning:
         if section.mode != "embedded":
             raise
@@ -109,13 +112,13 @@ def connect(config: Config, client_name: str) -> GatewayClient:
         # connect. The wait is bounded by the starter's embedded_start_timeout_ms.
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            return GatewayClient.connect(section, client_name)
+            return GatewayClient.connect(section, client_name, layouts=layouts)
         except GatewayNotRunning:
             pass
         _start_child(config, access)
     finally:
         os.close(lock)
-    return GatewayClient.connect(section, client_name)
+    return GatewayClient.connect(section, client_name, layouts=layouts)
 
 
 def _write_config(config: Config, path: Path, access: AccessPolicy) -> None:

@@ -37,6 +37,10 @@ KEYS_PER_MESSAGE_MAX = 4096
 """A batch holds at most this many keys: 4096 chunks of 256 tokens is 1 M tokens."""
 TEXT_BYTES_MAX = 4096
 DIGEST_SECTIONS_MAX = 16
+LAYOUTS_PER_HELLO_MAX = 256
+"""Layouts one client may register at its handshake: one per rank it serves (TP x PP)."""
+LAYOUT_BYTES_MAX = 64 * 1024
+"""The longest canonical layout fingerprint (one descriptor per KV cache group in it)."""
 
 
 class MessageType(enum.IntEnum):
@@ -46,6 +50,8 @@ class MessageType(enum.IntEnum):
     PROGRESS = 4
     LOOKUP = 10
     LOOKUP_OK = 11
+    LOCATE = 16
+    LOCATE_OK = 17
     VERIFY = 12
     VERIFY_OK = 13
     DROP = 14
@@ -133,6 +139,12 @@ class _Reader:
             return bytes(self.take(size)).decode("utf-8")
         except UnicodeDecodeError:
             raise ProtocolError(ErrorCode.MALFORMED, "text is not UTF-8") from None
+
+    def blob(self, size_max: int) -> bytes:
+        size = self.u32()
+        if size > size_max:
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"a field of {size} bytes exceeds {size_max}")
+        return bytes(self.take(size))
 
     def key(self) -> bytes:
         return bytes(self.take(KEY_BYTES))
@@ -236,14 +248,23 @@ class Hello(Message):
     client: str
     config_digest: ConfigDigest
     """What the client's config says the gateway must serve (its storage and card sections)."""
+    layouts: tuple[bytes, ...] = ()
+    """The canonical fingerprints (`LayoutFingerprint.canonical`) of the layouts the client
+    stores and looks up under: the gateway's layout registry (`kvharbor.gateway.layouts`)."""
 
     def body(self) -> bytes:
         sections = self.config_digest.sections
         if len(sections) > DIGEST_SECTIONS_MAX:
             raise ProtocolError(ErrorCode.TOO_LARGE, f"{len(sections)} digest sections exceed {DIGEST_SECTIONS_MAX}")
+        if len(self.layouts) > LAYOUTS_PER_HELLO_MAX:
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"{len(self.layouts)} layouts exceed {LAYOUTS_PER_HELLO_MAX}")
+        for layout in self.layouts:
+            if len(layout) > LAYOUT_BYTES_MAX:
+                raise ProtocolError(ErrorCode.TOO_LARGE, f"a layout of {len(layout)} bytes exceeds {LAYOUT_BYTES_MAX}")
         return (
             _U32.pack(self.protocol) + _text(self.release) + _U32.pack(self.pid) + _text(self.client)
             + _U32.pack(len(sections)) + b"".join(_text(name) + _text(digest) for name, digest in sections)
+            + _U32.pack(len(self.layouts)) + b"".join(_U32.pack(len(layout)) + layout for layout in self.layouts)
         )  # fmt: skip
 
     @classmethod
@@ -257,9 +278,11 @@ class Hello(Message):
         n = reader.u32()
         if n > DIGEST_SECTIONS_MAX:
             raise ProtocolError(ErrorCode.TOO_LARGE, f"{n} digest sections exceed {DIGEST_SECTIONS_MAX}")
-        return cls(
-            protocol, release, pid, client, ConfigDigest(tuple((reader.text(), reader.text()) for _ in range(n)))
-        )
+        digest = ConfigDigest(tuple((reader.text(), reader.text()) for _ in range(n)))
+        n = reader.u32()
+        if n > LAYOUTS_PER_HELLO_MAX:
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"{n} layouts exceed {LAYOUTS_PER_HELLO_MAX}")
+        return cls(protocol, release, pid, client, digest, tuple(reader.blob(LAYOUT_BYTES_MAX) for _ in range(n)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -363,6 +386,44 @@ class LookupOk(Message):
         if resident > hits:
             raise ProtocolError(ErrorCode.MALFORMED, f"LOOKUP_OK says {resident} resident of {hits} hits")
         return cls(hits, resident)
+
+
+LOCATED_TIERS_MAX = 64
+"""Tiers a `LocateOk` can name (a bit each in a u64)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Locate(Message):
+    """Which tiers hold each of ``keys`` (every key, not only a leading run): a read-only
+    question for tools (``kvharbor doctor``). It counts no lookup, moves nothing in any
+    LRU order and reads no value. Allowed before HELLO, like `Status`."""
+
+    TYPE: ClassVar[MessageType] = MessageType.LOCATE
+    keys: list[bytes]
+
+    def body(self) -> bytes:
+        return _keys(self.keys)
+
+    @classmethod
+    def parse(cls, reader: _Reader) -> Locate:
+        return cls(_read_keys(reader))
+
+
+@dataclass(frozen=True, slots=True)
+class LocateOk(Message):
+    TYPE: ClassVar[MessageType] = MessageType.LOCATE_OK
+    holders: list[int]
+    """Per key, a bit per tier that holds it: bit i is the gateway's tier i, in the order
+    of its status (`StoreStatus.tiers`); 0: no tier does. `LOCATED_TIERS_MAX` tiers at most."""
+
+    def body(self) -> bytes:
+        _check_count(len(self.holders))
+        return _U32.pack(len(self.holders)) + b"".join(_U64.pack(h) for h in self.holders)
+
+    @classmethod
+    def parse(cls, reader: _Reader) -> LocateOk:
+        n = reader.count()
+        return cls([reader.unpack(_U64)[0] for _ in range(n)])
 
 
 @dataclass(frozen=True, slots=True)
@@ -669,15 +730,20 @@ class StatusOk(Message):
             return cls(GatewayStatus.from_json(raw))
         except StatusFormError as err:
             seen = peek_release(raw)
-            sender = f" (from release {seen[0]} protocol {seen[1]})" if seen else ""
-            raise ProtocolError(ErrorCode.MALFORMED, f"{err}{sender}") from None
+            if seen is not None and seen[1] != PROTOCOL_VERSION:
+                raise ProtocolError(
+                    ErrorCode.VERSION_MISMATCH,
+                    f"release {seen[0]} protocol {seen[1]}, whose status this release (protocol "
+                    f"{PROTOCOL_VERSION}) cannot read",
+                ) from None
+            raise ProtocolError(ErrorCode.MALFORMED, str(err)) from None
 
 
 _TYPES: dict[int, type[Message]] = {
     cls.TYPE: cls
     for cls in (
-        Hello, HelloOk, Error, Progress, Lookup, LookupOk, Verify, VerifyOk, Drop, Dropped, PutPrepare,
-        PutReady, PutCommit, PutDone, Get, GetReady, Release, Released, Status, StatusOk,
+        Hello, HelloOk, Error, Progress, Lookup, LookupOk, Locate, LocateOk, Verify, VerifyOk, Drop, Dropped,
+        PutPrepare, PutReady, PutCommit, PutDone, Get, GetReady, Release, Released, Status, StatusOk,
     )
 }  # fmt: skip
 

@@ -24,11 +24,13 @@ import socket
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvharbor import __version__
 from kvharbor.cache.assembly import device_limit, open_store
+from kvharbor.cache.keys import LayoutFingerprint
 from kvharbor.cache.refill import RamRefill
 from kvharbor.cache.store import TieredStore
 from kvharbor.config import MIB, Config
@@ -36,6 +38,7 @@ from kvharbor.dashboard.hooks import GatewayHooks
 from kvharbor.dashboard.servers import Dashboard
 from kvharbor.gateway import protocol as p
 from kvharbor.gateway.access import AccessPolicy, Peer, peer_of
+from kvharbor.gateway.layouts import LayoutRegistry
 from kvharbor.gateway.lifetime import Lifetime
 from kvharbor.gateway.prober import TierProber
 from kvharbor.gateway.shm import (
@@ -51,7 +54,7 @@ from kvharbor.gateway.shm import (
 from kvharbor.gateway.status import AttachedClient, DetachedClient, GatewayStatus, HitRate, ShmStatus
 from kvharbor.gateway.transfers import Batch, Transfers
 from kvharbor.gateway.wire import FrameReader, PeerClosed, send_message
-from kvharbor.hal.base import CardDevice, CardStatus, Device, DeviceError
+from kvharbor.hal.base import CardDevice, CardStatus, Device, DeviceError, PersistentDevice
 from kvharbor.hal.extents import round_up
 from kvharbor.hal.shm_ram import SharedRamDevice
 from kvharbor.telemetry.log import OnceLog, get_logger
@@ -70,6 +73,11 @@ ACCEPT_RETRY_MS = 100
 DETACHED_KEPT = 64
 """Detached clients remembered for `Gateway.status` (the most recent; a rank that turned
 its cache off is one of them while its process lives)."""
+
+READ_ONLY_QUERIES = (p.Status, p.Locate)
+"""Served without a HELLO: a tool (``kvharbor status``, ``doctor``) asks them without
+attaching, so it counts as no client, keeps no embedded gateway alive and needs no
+config digest of the gateway's. ``gateway.access`` still decides at accept."""
 
 CLOSING_REFUSALS = frozenset({p.ErrorCode.VERSION_MISMATCH, p.ErrorCode.CONFIG_MISMATCH, p.ErrorCode.STEPPING_ASIDE})
 """Refused HELLOs after which the connection is closed: nothing else could be served on it."""
@@ -179,6 +187,7 @@ class Gateway:
         self._prober: TierProber | None = None
         self.transfers: Transfers | None = None
         self.refill: RamRefill | None = None
+        self.layouts: LayoutRegistry | None = None
         self._listener: socket.socket | None = None
         self._socket_bound = False
         self._lock_file: int | None = None
@@ -215,6 +224,9 @@ class Gateway:
         shared = self._create_segment(shm_dir, free, total)
         assert self.segment is not None
         self.store = open_store(self.config, start_clean=self.start_clean, devices=shared)
+        self.layouts = LayoutRegistry(
+            [t.device.state_dir for t in self.store.tiers if isinstance(t.device, PersistentDevice)], self.start_clean
+        )
         self._prober = TierProber(
             self.store.tiers, self.config.storage.backpressure.circuit_breaker.background_probe_interval_s
         )
@@ -413,6 +425,7 @@ class Gateway:
         """What this gateway is and holds now (see `kvharbor.gateway.status`)."""
         store, transfers, segment, refill = self.store, self.transfers, self.segment, self.refill
         assert store is not None and transfers is not None and segment is not None and refill is not None
+        assert self.layouts is not None
         with self._clients_lock:
             connections = [c for c, _ in self._clients.values()]
             detached = list(self._detached)
@@ -455,7 +468,7 @@ class Gateway:
             store=store_status,
             cards=self._cards(),
             refill=refill.status(),
-            layouts=[],
+            layouts=self.layouts.layouts(),
             dashboard_url=None if self.dashboard is None else self.dashboard.status.url,
             metrics_url=None if self.dashboard is None else self.dashboard.status.metrics_url,
         )
@@ -522,7 +535,7 @@ class Gateway:
 
     def _answer(self, connection: _Connection, kind: int, body: memoryview) -> p.Message:
         message = p.decode_body(kind, body)
-        if not connection.greeted and not isinstance(message, p.Hello):
+        if not connection.greeted and not isinstance(message, (p.Hello, *READ_ONLY_QUERIES)):
             raise p.ProtocolError(p.ErrorCode.NOT_READY, "the first message must be HELLO")
         if connection.greeted and isinstance(message, p.Hello):
             # One client per connection: a second HELLO must not count it twice (see `Lifetime`).
@@ -614,6 +627,8 @@ class Gateway:
                 return p.Released(batch_id)
             case p.Status():
                 return p.StatusOk(self.status())
+            case p.Locate(keys=keys):
+                return p.LocateOk(self._locate(keys))
         raise p.ProtocolError(p.ErrorCode.MALFORMED, f"{type(message).__name__} is not a request")
 
     def _hello(self, hello: p.Hello) -> p.Message:
@@ -638,15 +653,41 @@ class Gateway:
                 "sections: give this engine the gateway's, or a gateway.socket of its own (left unset, 'derived', "
                 "every config gets a gateway of its own)",
             )
+        layouts = self._layouts_of(hello)
         if self._lifetime is not None:
             if not self.segment.path.exists():
                 self._step_aside(f"its shared memory {self.segment.path} was removed", "")
             if not self._lifetime.attach():
                 raise p.ProtocolError(p.ErrorCode.STEPPING_ASIDE, f"embedded gateway (pid {os.getpid()}) is stopping")
+        if layouts:
+            assert self.layouts is not None
+            self.layouts.register(layouts, hello.client)
         _log.info("kvharbor: client %r (pid %d) attached", hello.client, hello.pid)
         return p.HelloOk(
             p.PROTOCOL_VERSION, __version__, str(self.segment.path), self.segment.size, self.ring_bytes, os.getpid()
         )
+
+    @staticmethod
+    def _layouts_of(hello: p.Hello) -> list[LayoutFingerprint]:
+        """The layouts ``hello`` registers; refuses the handshake for one that is not a
+        canonical fingerprint (a registry must name what the digests stand for exactly)."""
+        layouts = []
+        for i, raw in enumerate(hello.layouts):
+            try:
+                layouts.append(LayoutFingerprint.from_canonical(raw))
+            except ValueError as err:
+                raise p.ProtocolError(p.ErrorCode.MALFORMED, f"HELLO layout {i}: {err}") from None
+        return layouts
+
+    def _locate(self, keys: Sequence[bytes]) -> list[int]:
+        """`p.LocateOk.holders` of ``keys``: from each tier's index (or device), nothing read."""
+        assert self.store is not None
+        holders = [0] * len(keys)
+        for bit, tier in enumerate(self.store.tiers):
+            for i, present in enumerate(tier.contains(keys)):
+                if present:
+                    holders[i] |= 1 << bit
+        return holders
 
     def _step_aside(self, why: str, detail: str) -> None:
         """An embedded gateway with no clients that cannot serve a new one exits for it:

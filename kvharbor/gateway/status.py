@@ -15,7 +15,6 @@ which gateway answered even where the rest of the form is not its own.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -109,8 +108,6 @@ class RegisteredLayout:
     """When that was, in seconds since the epoch."""
     this_run: bool
     """Registered with this gateway since it started (not only known from a tier's registry file)."""
-    chunks: dict[str, int] | None = None
-    """Chunks stored under it, by tier, where the tier's index can say (None: unknown)."""
 
     @property
     def short(self) -> str:
@@ -216,13 +213,6 @@ def peek_release(text: str | bytes) -> tuple[str, int] | None:
     if isinstance(release, str) and isinstance(protocol, int):
         return release, protocol
     return None
-
-
-def percent(part: float, whole: float) -> str:
-    """``part`` of ``whole`` as a percentage for people; ``-`` when there is no whole."""
-    if whole <= 0 or math.isnan(part):
-        return "-"
-    return f"{100 * part / whole:.1f}%"
 
 
 @cache

@@ -7,9 +7,14 @@ a store damaged on disk: nothing of it is promised, and it heals at once.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 from e2e_harness import BLOCK, CHUNK, Lab, bound, request, tokens
 
+from kvharbor.gateway.status import GatewayStatus
 from tests.support.damage import damage_file_objects
 
 pytestmark = pytest.mark.e2e
@@ -22,6 +27,10 @@ PARTIAL = ROUND[:400] + tokens(100, seed=3)
 """Shares 400 tokens with ROUND: once it ran, vLLM's own cache holds 3 of ROUND's blocks."""
 
 
+def kvharbor_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvharbor", *args], capture_output=True, text=True, timeout=120)
+
+
 def test_restart_restores_the_bound_with_identical_output(lab: Lab) -> None:
     rounds = {"rounds": [[request(LONG)], [request(PARTIAL)], [request(ROUND)]]}
     reference = lab.run(rounds, lab.env(kvharbor=False)).ok()
@@ -32,6 +41,14 @@ def test_restart_restores_the_bound_with_identical_output(lab: Lab) -> None:
     assert "kvharbor: 4 cache tensors registered" in first.log
     assert [r["external_hits"] for r in first.rounds()] == [0, 0]
     assert lab.stored_objects() == len(LONG) // CHUNK + len(ROUND) // CHUNK  # Each full chunk, once.
+    # The engine registered its real vLLM layout with the (lingering) gateway: status names
+    # it, and doctor computes LONG's keys under it and finds every chunk.
+    status = GatewayStatus.from_json(kvharbor_cli("status", "--config", str(lab.config_path), "--json").stdout)
+    assert [layout.fingerprint.kv_shapes[0].split("[")[0] for layout in status.layouts] == ["FullAttentionSpec"]
+    prompt = lab.root / "long.json"
+    prompt.write_text(json.dumps(LONG))
+    doctor = kvharbor_cli("doctor", "--config", str(lab.config_path), "--prompt-file", str(prompt))
+    assert doctor.returncode == 0 and "chunks 0-2 (tokens 0-767): local" in doctor.stdout, doctor.stdout
 
     restarted = lab.run(rounds).ok()
     results = restarted.requests()

@@ -153,6 +153,27 @@ def test_each_bad_message_gets_its_code_and_the_gateway_serves_on(gateway: Gatew
         assert shm.free_bytes == shm.ring_bytes and shm.in_place_bytes == 0
 
 
+def test_read_only_queries_need_no_hello_and_a_layout_not_canonical_refuses_the_hello(
+    gateway: GatewayProcess, raw: RawPeer
+) -> None:
+    raw.send(MessageType.STATUS, b"")
+    status = raw.reply()[1]
+    assert isinstance(status, p.StatusOk) and status.status.pid == gateway.pid
+    raw.send(MessageType.LOCATE, p.Locate([KEY]).body())
+    located = raw.reply()[1]
+    assert isinstance(located, p.LocateOk) and located.holders == [0]
+    assert raw.refused(MessageType.LOOKUP, lookup_body(1, 16)) is ErrorCode.NOT_READY, "the rest still needs HELLO"
+    bad = p.Hello(p.PROTOCOL_VERSION, __version__, os.getpid(), "raw", raw.digest, (b'{"encoding":1}',))
+    raw.send(MessageType.HELLO, bad.body())
+    _, reply = raw.reply()
+    assert isinstance(reply, p.Error) and reply.code is ErrorCode.MALFORMED
+    assert "HELLO layout 0: not a canonical layout fingerprint" in reply.text
+    with closing_client(gateway.client("bystander")) as bystander:
+        seen = bystander.status()
+    assert seen.layouts == [], "nothing registered from a refused HELLO"
+    assert [c.name for c in seen.clients] == ["bystander"], "the raw peer never attached"
+
+
 def test_truncated_frame_then_hang_up(gateway: GatewayProcess) -> None:
     for cut in (3, p.FRAME_BYTES, p.FRAME_BYTES + 5):
         peer = RawPeer(gateway.config.gateway)

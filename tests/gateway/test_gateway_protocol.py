@@ -20,13 +20,17 @@ text = st.text(max_size=60)
 digests = st.builds(ConfigDigest, st.lists(st.tuples(text, text), max_size=p.DIGEST_SECTIONS_MAX).map(tuple))
 
 messages = st.one_of(
-    st.builds(p.Hello, st.just(p.PROTOCOL_VERSION), text, u32, text, digests),
+    st.builds(
+        p.Hello, st.just(p.PROTOCOL_VERSION), text, u32, text, digests, st.lists(st.binary(), max_size=4).map(tuple)
+    ),
     # Another protocol's HELLO keeps only what its refusal names (the digest may have another form).
     st.builds(p.Hello, u32.filter(lambda v: v != p.PROTOCOL_VERSION), text, u32, text, st.just(ConfigDigest(()))),
     st.builds(p.HelloOk, u32, text, text, u64, u64, u32),
     st.builds(p.Error, st.sampled_from(ErrorCode), text),
     st.builds(p.Lookup, u32, key_lists, u64),
     u32.flatmap(lambda hits: st.builds(p.LookupOk, st.just(hits), st.integers(0, hits))),
+    st.builds(p.Locate, key_lists),
+    st.builds(p.LocateOk, st.lists(u64, max_size=40)),
     st.builds(p.Verify, u64, st.lists(st.tuples(keys, keys), max_size=40)),
     st.builds(p.VerifyOk, u32),
     st.builds(p.Drop, key_lists),

@@ -41,6 +41,6 @@ def sample_status(temperature_c: float = 41.5) -> GatewayStatus:
         store=StoreStatus([tier], "write_through", {"lookups": 4}, {"files": "unavailable: no such directory"}),
         cards={"card": card},
         refill=RefillStatus("done", 1, 4096, 0, 0.5, True),
-        layouts=[RegisteredLayout(LAYOUT.digest().hex(), LAYOUT, "vllm-worker rank 0", 1.7e9, True, {"card": 3})],
+        layouts=[RegisteredLayout(LAYOUT.digest().hex(), LAYOUT, "vllm-worker rank 0", 1.7e9, True)],
         dashboard_url="http://127.0.0.1:9400/",
     )  # fmt: skip

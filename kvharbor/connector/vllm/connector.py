@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,6 +39,7 @@ from kvharbor.connector.vllm.scheduler import SchedulerSide
 from kvharbor.connector.vllm.settings import config_from_extra
 from kvharbor.connector.vllm.stats import KVHarborPromMetrics, KVHarborStats
 from kvharbor.connector.vllm.worker import WorkerSide
+from kvharbor.gateway import embedded
 from kvharbor.telemetry.log import attach_to_engine_log, get_logger
 
 if TYPE_CHECKING:
@@ -67,9 +69,13 @@ class KVHarborConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._insist_on_recompute(transfer)
             name = f"vllm-scheduler pid {os.getpid()}"
-            link = CacheLink(self.config, name)
+            # The scheduler looks up every rank's keys: it registers every rank's layout.
+            connect = partial(embedded.connect, layouts=self.layout.fingerprints)
+            link = CacheLink(self.config, name, connect)
             # Its own connection: a long read-back must not hold up the lookups of other requests.
-            verifier = Verifier(CacheLink(self.config, name + " verify"), self.layout.digests, self.layout.chunk_bytes)
+            verifier = Verifier(
+                CacheLink(self.config, name + " verify", connect), self.layout.digests, self.layout.chunk_bytes
+            )
             self._scheduler = SchedulerSide(
                 self.layout, self.config, link, load_planner(vllm_config, self.layout), verifier
             )
@@ -83,9 +89,10 @@ class KVHarborConnector(KVConnectorBase_V1):
         else:
             rank = self.layout.rank_index(*_worker_ranks())
             name = f"vllm-worker rank {rank} pid {os.getpid()}"
-            load_link = CacheLink(self.config, name + " load")
+            connect = partial(embedded.connect, layouts=(self.layout.fingerprints[rank],))
+            load_link = CacheLink(self.config, name + " load", connect)
             self._worker = WorkerSide(
-                self.layout, self.config, load_link, CacheLink(self.config, name + " save"), rank,
+                self.layout, self.config, load_link, CacheLink(self.config, name + " save", connect), rank,
                 RankAgreement(_tensor_parallel_group(), load_link.switch),
             )  # fmt: skip
 

@@ -1,0 +1,1 @@
+"""Operating kvharbor: the logic behind ``kvharbor status`` and ``kvharbor doctor``."""

@@ -1,0 +1,114 @@
+"""The human form of ``kvharbor status``: a `GatewayStatus`, or what the disk holds when
+no gateway answers. Section titles in the left column, one fact per line."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+
+from kvharbor.gateway.status import GatewayStatus, HitRate, RegisteredLayout
+from kvharbor.hal.base import CardStatus
+from kvharbor.ops.disk import TierOnDisk
+
+_TITLE = 9
+"""Width of the section column."""
+
+
+def mib(nbytes: int | None) -> str:
+    if nbytes is None or nbytes < 0:
+        return "?"
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes < 2**30 else f"{nbytes / 2**30:.2f} GiB"
+
+
+def when(at_s: float, now_s: float | None = None) -> str:
+    """A wall-clock time in UTC, with how long ago."""
+    now_s = time.time() if now_s is None else now_s
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(at_s))
+    ago = max(0.0, now_s - at_s)
+    return f"{stamp} ({ago:.0f} s ago)" if ago < 120 else f"{stamp} ({ago / 60:.0f} min ago)"
+
+
+def _lines(title: str, lines: Sequence[str]) -> list[str]:
+    out = []
+    for i, line in enumerate(lines or ["-"]):
+        out.append(f"{(title if i == 0 else ''):<{_TITLE}}{line}")
+    return out
+
+
+def _rate(hits: int, asked: int, rate: float | None) -> str:
+    return "no lookups" if rate is None else f"{100 * rate:.1f}% ({hits} of {asked} tokens)"
+
+
+def hit_rate_text(rate: HitRate) -> list[str]:
+    return [
+        f"recent {rate.window_s:g} s: {_rate(rate.recent_hit_tokens, rate.recent_lookup_tokens, rate.recent)}",
+        f"total: {_rate(rate.hit_tokens, rate.lookup_tokens, rate.total)}, {rate.lookups} lookups",
+    ]
+
+
+def layout_text(layout: RegisteredLayout, served: bool = True) -> str:
+    """``served``: the layout is one a running gateway lists (it then says whether it was
+    registered in its run); else one read from a tier's registry file."""
+    seen = (", this run" if layout.this_run else ", before this run") if served else ""
+    return f"{layout.short}: by {layout.registered_by!r} {when(layout.registered_at_s)}{seen}"
+
+
+def card_text(name: str, card: CardStatus) -> str:
+    temperature = "?" if math.isnan(card.temperature_c) else f"{card.temperature_c:.0f} C"
+    return (
+        f"{name}: {card.driver}, service {card.service}, firmware {card.firmware_version}, temperature "
+        f"{temperature}, supercap {card.supercap}, CapacityUsage {card.capacity_usage.value}, "
+        f"{mib(card.used_bytes)} of {mib(card.capacity_bytes)}, keys {card.keys} of {card.keys_max}, "
+        f"key eviction {'on' if card.key_eviction else 'off'}"
+    )
+
+
+def render_status(status: GatewayStatus) -> str:
+    out = _lines(
+        "gateway",
+        [
+            f"pid {status.pid}, release {status.release} (protocol {status.protocol}), serving {status.socket}",
+            f"config {status.config_digest}, started {when(status.started_at_s)}, "
+            f"start-clean={int(status.start_clean)}",
+            f"dashboard {status.dashboard_url or 'not served'}; {status.access}",
+        ],
+    )
+    clients = [f"{c.name!r} (pid {c.pid})" for c in status.clients]
+    off = status.ranks_cache_off
+    out += _lines(
+        "clients",
+        [
+            f"{len(clients)} attached" + (": " + ", ".join(clients) if clients else ""),
+            "ranks with the cache off: "
+            + (", ".join(f"{d.name!r} (pid {d.pid}, since {when(d.at_s)})" for d in off) if off else "none seen"),
+            f"({status.ranks_off_note})",
+        ],
+    )
+    out += _lines("hit rate", hit_rate_text(status.hit_rate))
+    tiers = []
+    for tier in status.store.tiers:
+        evictions, corrupt = tier.counters.get("evictions", 0), tier.counters.get("corrupt", 0)
+        tiers.append(
+            f"{tier.name} [{tier.device_type}]: {status.tier_conditions()[tier.name]}; {mib(tier.used_bytes)} of "
+            f"{mib(tier.capacity_bytes)}, {tier.keys} objects, {evictions} evictions, {corrupt} corrupt"
+        )
+    tiers += [f"{name}: {why}" for name, why in status.store.skipped.items()]
+    out += _lines("tiers", tiers)
+    if status.cards:
+        out += _lines("card", [card_text(name, card) for name, card in status.cards.items()])
+    out += _lines("layouts", [layout_text(layout) for layout in status.layouts] or ["none registered"])
+    refill = status.refill
+    out += _lines(
+        "refill", [f"{refill.state}: {refill.objects} objects, {mib(refill.bytes)} in {refill.seconds:.1f} s"]
+    )
+    return "\n".join(out)
+
+
+def render_on_disk(tiers: Sequence[TierOnDisk]) -> str:
+    lines = []
+    for tier in tiers:
+        held = "?" if tier.objects is None else f"{tier.objects} objects, {mib(tier.used_bytes)}"
+        lines.append(f"{tier.name} at {tier.path}: {held}" + (f" ({tier.problem})" if tier.problem else ""))
+        lines += [f"  layout {layout_text(layout, served=False)}" for layout in tier.layouts]
+    return "\n".join(_lines("on disk", lines or ["no file tier is configured"]))
