@@ -40,6 +40,7 @@ function figures(status) {
     lookups: hits.lookups, queryTokens: hits.lookup_tokens, hitTokens: hits.hit_tokens,
     clients: status.clients.length,
     tiers: status.store.tiers,
+    skipped: status.store.skipped || {},
     card: cards.length ? { tier: cards[0][0], ...cards[0][1] } : null,
   };
 }
@@ -65,6 +66,13 @@ function showStatus(status) {
     cell(row, String(tier.keys));
     cell(row, String((tier.counters || {}).evictions || 0));
     cell(row, String((tier.counters || {}).corrupt || 0), (tier.counters || {}).corrupt ? "bad" : "");
+  }
+  for (const [name, why] of Object.entries(f.skipped)) {  // Configured, but did not open at start.
+    const row = body.insertRow();
+    cell(row, name);
+    cell(row, "–");
+    cell(row, why, "bad");
+    for (let i = 0; i < 6; i += 1) cell(row, "–");
   }
   const section = document.getElementById("card-section");
   section.hidden = f.card === null;
