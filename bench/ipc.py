@@ -77,12 +77,16 @@ TARGETS = {"transport_vs_memcpy": 0.7, "rtt_p50_us": 50.0, "rtt_p99_us": 500.0, 
 
 
 @contextmanager
-def gateway(directory: Path, ring_mb: int, ram_gb: float, value_mb_max: int) -> Iterator[tuple[GatewaySection, int]]:
-    """A ``kvharbor gateway`` subprocess with one RAM tier; yields (its config section, its pid)."""
+def gateway(
+    directory: Path, ring_mb: int, ram_gb: float, value_mb_max: int, sections: dict[str, Any] | None = None
+) -> Iterator[tuple[GatewaySection, int]]:
+    """A ``kvharbor gateway`` subprocess with one RAM tier; yields (its config section, its pid).
+    ``sections``: more config sections (``dashboard``, ``telemetry``)."""
     config_path = directory / f"bench-{uuid.uuid4().hex[:6]}.yaml"
     config_path.write_text(
         yaml.safe_dump(
             {
+                **(sections or {}),
                 "gateway": {
                     "mode": "service",
                     "socket": str(directory / f"{config_path.stem}.sock"),

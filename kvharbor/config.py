@@ -394,15 +394,39 @@ class CardSection(_Section):
 
 
 class DashboardSection(_Section):
-    host: str = "127.0.0.1"
+    """The gateway's web page and HTTP endpoints (`kvharbor.dashboard`), served by the
+    gateway process on ``host:port``; a port already taken is said once and the gateway
+    serves on without it."""
+
+    enabled: bool = True
+    host: str = Field("127.0.0.1", min_length=1)
+    """A host other than a loopback address needs ``auth_token``: without one the
+    dashboard does not start (said in the gateway's log), the gateway serves on."""
     port: int = Field(9400, ge=0, le=65535)
-    auth_token: str | None = None
-    allowed_hosts: list[str] = Field(default_factory=lambda: ["localhost", "127.0.0.1"])
+    """0: a free port the system picks, logged and shown in the gateway's status."""
+    auth_token: str | None = Field(None, min_length=1)
+    """Every request but ``/healthz`` and ``/readyz`` then needs ``Authorization: Bearer
+    <token>`` or ``?token=<token>`` (``/metrics`` too: a scraper sends it as a bearer token)."""
+    allowed_hosts: list[str] = Field(default_factory=lambda: ["localhost", "127.0.0.1"], min_length=1)
+    """Host header names (without the port) the dashboard answers; ``*`` allows any.
+    A DNS-rebinding page reaches the dashboard under a name of its own: refused."""
     allow_config_edit: bool = False
+    """POST /api/config may change the config (validated as a whole, written back to the file)."""
+    refresh_interval_ms: int = Field(2000, ge=200, description="how often the page fetches new figures")
+    history_interval_s: float = Field(
+        5.0, gt=0, allow_inf_nan=False, description="seconds between two samples of the charts' history"
+    )
+    history_samples_max: int = Field(720, gt=1, le=100_000, description="samples the history keeps (a ring)")
+    """720 samples every 5 s: the last hour."""
+    log_lines_max: int = Field(200, gt=0, le=100_000, description="recent kvharbor log lines the page shows")
+    request_body_bytes_max: int = Field(1 * MIB, ge=1024, description="largest request body (a posted config)")
+    request_header_bytes_max: int = Field(16 * 1024, ge=1024, description="largest request line and headers")
 
 
 class PrometheusSection(_Section):
     port: int = Field(9402, ge=0, le=65535)
+    """A listener with only ``/metrics`` (same host, token and Host check as the dashboard);
+    taken: said once, ``/metrics`` stays on the dashboard port. 0: a port the system picks."""
 
 
 class TelemetrySection(_Section):
@@ -540,11 +564,12 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
     return tree
 
 
-def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+def merge_documents(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` with ``top`` laid over it, mappings merged key by key (a list is replaced whole)."""
     merged = dict(base)
     for key, value in top.items():
         if isinstance(value, Mapping) and isinstance(merged.get(key), dict):
-            merged[key] = _merge(merged[key], value)
+            merged[key] = merge_documents(merged[key], value)
         else:
             merged[key] = value
     return merged
@@ -578,9 +603,9 @@ def load_config(
     environ = os.environ if environ is None else environ
     path = path or environ.get(ENV_CONFIG) or None
     data: dict[str, Any] = read_yaml(path) if path else {}
-    data = _merge(data, env_overrides(environ))
+    data = merge_documents(data, env_overrides(environ))
     if overrides:
-        data = _merge(data, overrides)
+        data = merge_documents(data, overrides)
     return validate_config(data, source=str(path) if path else "defaults and environment")
 
 

@@ -115,7 +115,22 @@ else
 fi
 step_done "kvharbor editable install"
 
-# --- 5. sanity check ----------------------------------------------------------------
+# --- 5. a browser for the dashboard's test (tests/gateway/test_dashboard_browser.py) ---
+# Debian's chromium and chromium-driver, driven by Selenium (the test extra): Playwright's
+# browser download is not reachable from the project machines.
+if command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; then
+    log "chromium and chromedriver present; skipping"
+elif [[ "$(id -u)" == 0 ]]; then
+    log "installing chromium and chromium-driver (apt-get)"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver
+else
+    log "WARNING: chromium/chromium-driver missing and not root: the dashboard's browser test will fail;" \
+        "run: sudo apt-get install -y chromium chromium-driver"
+fi
+step_done "chromium for the dashboard test"
+
+# --- 6. sanity check ----------------------------------------------------------------
 VLLM_LOGGING_LEVEL=ERROR "${PY}" - <<'EOF'
 from importlib.metadata import version
 import torch

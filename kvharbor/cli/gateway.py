@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 
 from kvharbor.cli import Subparsers, add_config_argument, config_from_args
+from kvharbor.config import ENV_CONFIG
 
 
 def _zero_or_one(text: str) -> bool:
@@ -71,6 +72,12 @@ def run(args: argparse.Namespace) -> int:
         linger_s = config.gateway.linger_s
     from kvharbor.gateway.process import run_gateway  # Heavy: the store and its drivers.
 
+    config_path = args.config or os.environ.get(ENV_CONFIG)
     return run_gateway(
-        config, start_clean=args.start_clean, ready_fd=args.ready_fd, parent_fd=args.parent_fd, linger_s=linger_s
+        config,
+        start_clean=args.start_clean,
+        ready_fd=args.ready_fd,
+        parent_fd=args.parent_fd,
+        linger_s=linger_s,
+        config_path=Path(config_path).resolve() if config_path else None,
     )

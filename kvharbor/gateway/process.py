@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 
 from kvharbor.config import Config
 from kvharbor.gateway.heap import keep_freed_memory
@@ -51,6 +52,7 @@ def run_gateway(
     ready_fd: int | None = None,
     parent_fd: int | None = None,
     linger_s: float = 0.0,
+    config_path: Path | None = None,
 ) -> int:
     """Serve until SIGTERM/SIGINT (or the parent's exit, or idle for ``linger_s``); returns the exit status.
 
@@ -58,11 +60,12 @@ def run_gateway(
     ``parent_fd``: the read end of a pipe whose writer is the process this
     gateway lives for (embedded mode, ``linger_s`` 0); its closing stops the gateway.
     ``linger_s`` > 0: an embedded gateway whose clients decide its life (`kvharbor.gateway.lifetime`).
+    ``config_path``: the file ``config`` was read from (the dashboard writes its edits there).
     """
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s")
     keep_freed_memory()  # Before the store allocates anything.
-    gateway = Gateway(config, start_clean=start_clean, linger_s=linger_s)
+    gateway = Gateway(config, start_clean=start_clean, linger_s=linger_s, config_path=config_path)
     try:
         gateway.start()
     except GatewayStartError as err:

@@ -34,6 +34,8 @@ from kvharbor.cache.keys import LayoutFingerprint
 from kvharbor.cache.refill import RamRefill
 from kvharbor.cache.store import TieredStore
 from kvharbor.config import MIB, Config
+from kvharbor.dashboard.hooks import GatewayHooks
+from kvharbor.dashboard.servers import Dashboard
 from kvharbor.gateway import protocol as p
 from kvharbor.gateway.access import AccessPolicy, Peer, peer_of
 from kvharbor.gateway.layouts import LayoutRegistry
@@ -143,10 +145,16 @@ class _Connection:
 
 
 class Gateway:
-    def __init__(self, config: Config, start_clean: bool = False, linger_s: float = 0.0) -> None:
+    def __init__(
+        self, config: Config, start_clean: bool = False, linger_s: float = 0.0, config_path: Path | None = None
+    ) -> None:
         """``linger_s`` > 0: an embedded gateway whose life its clients decide (`Lifetime`);
-        0: it serves until stopped (a signal, or its embedding engine's exit)."""
+        0: it serves until stopped (a signal, or its embedding engine's exit).
+        ``config_path``: the file ``config`` came from, where the dashboard writes an edit."""
         self.config = config
+        """The config in force; the dashboard may replace it by one differing in settings read at each use."""
+        self.config_path = config_path
+        self.dashboard: Dashboard | None = None
         self.start_clean = start_clean
         self.socket_path = Path(config.gateway.socket)
         self.access = AccessPolicy(config.gateway.access)
@@ -231,6 +239,17 @@ class Gateway:
             self._lifetime.start()
         self.refill.start()
         self._prober.start()
+        self.dashboard = Dashboard.start(
+            GatewayHooks(
+                config=lambda: self.config,
+                apply_config=self._take_config,
+                config_path=self.config_path,
+                status=lambda: self.status().to_document(),
+                readiness=self.readiness,
+                store_status=self.store.status,
+                registry=lambda: self.metrics.registry,
+            )
+        )
         _log.info(
             "kvharbor: gateway %s (protocol %d, pid %d) serving %s, shared memory %s (%d MiB), start-clean=%d",
             __version__, p.PROTOCOL_VERSION, os.getpid(), self.socket_path, self.segment.path,
@@ -339,7 +358,7 @@ class Gateway:
             if self._stopped:
                 return
             self._stopped = True
-            self._stopping.set()
+            self._stopping.set()  # From here /readyz answers 503.
             if self._lifetime is not None:
                 self._lifetime.close()
             if self._listener is not None:
@@ -353,6 +372,8 @@ class Gateway:
             self._stop_clients()
             if self._prober is not None:
                 self._prober.stop()
+            if self.dashboard is not None:
+                self.dashboard.stop()  # Before the store closes: the page reads it.
             if self.refill is not None:
                 self.refill.stop(self.config.gateway.stop_timeout_ms / 1000)
             if self.transfers is not None:
@@ -442,6 +463,8 @@ class Gateway:
             cards=self._cards(),
             refill=refill.status(),
             layouts=self.layouts.layouts(),
+            dashboard_url=None if self.dashboard is None else self.dashboard.status.url,
+            metrics_url=None if self.dashboard is None else self.dashboard.status.metrics_url,
         )
 
     def _cards(self) -> dict[str, CardStatus]:
@@ -458,6 +481,21 @@ class Gateway:
                         f"card-status:{tier.name}", f"tier {tier.name}: the card's status is unreadable: {err}"
                     )
         return cards
+
+    def readiness(self) -> str | None:
+        """None while the gateway accepts clients with its store open; else why not (``/readyz``)."""
+        if self._stopping.is_set():
+            return "the gateway is stopping"
+        if self._listener is None or self.store is None:
+            return "the gateway is starting"
+        return None
+
+    def _take_config(self, config: Config) -> None:
+        """Put ``config`` in force (a dashboard edit): it must serve the same storage, or
+        clients of the old config would be refused by a gateway still serving it."""
+        if config.gateway.config_digest != self.config.gateway.config_digest:
+            raise ValueError("a config put in force must have the storage and card sections in force")
+        self.config = config
 
     # -- one client --------------------------------------------------------
 

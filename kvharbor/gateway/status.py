@@ -49,7 +49,8 @@ class ShmStatus:
 
 @dataclass(frozen=True, slots=True)
 class HitRate:
-    """Hits against what was asked, in full-chunk tokens (see `kvharbor.telemetry.metrics.HitMetrics` and its recent window, `kvharbor.telemetry.window`)."""
+    """Hits against what was asked, in full-chunk tokens (see `kvharbor.telemetry.metrics.HitMetrics`
+    and its recent window, `kvharbor.telemetry.window`)."""
 
     window_s: float
     """The recent window: ``telemetry.hit_rate_window_s``."""
@@ -149,6 +150,8 @@ class GatewayStatus:
     layouts: list[RegisteredLayout]
     dashboard_url: str | None = None
     """Where the dashboard serves, when it does (filled by the dashboard)."""
+    metrics_url: str | None = None
+    """Where ``/metrics`` serves on ``telemetry.prometheus.port``, when it does (else on the dashboard's port)."""
     ranks_off_note: str = RANKS_OFF_NOTE
 
     # NaN: a card's temperature where the driver cannot read it. Written as the string

@@ -126,6 +126,9 @@ class Lab:
             "storage": {
                 "tiers": tiers or [{"name": "local", "type": "file", "path": str(self.cache), "capacity_gb": 2}]
             },
+            # Ports the system picks: labs run side by side on one host.
+            "dashboard": {"port": 0},
+            "telemetry": {"prometheus": {"port": 0}},
         }
         if engine:
             document["engine"] = engine

@@ -56,10 +56,14 @@ def write_config(
     tiers: list[dict[str, Any]] | None = None,
     storage: dict[str, Any] | None = None,
     card: dict[str, Any] | None = None,
+    dashboard: dict[str, Any] | None = None,
+    telemetry: dict[str, Any] | None = None,
     **gateway: Any,
 ) -> Path:
-    """A config of its own for one test: socket in ``directory``, a unique shm_name;
-    ``storage``: more settings of the storage section; ``card``: the card section."""
+    """A config of its own for one test: socket in ``directory``, a unique shm_name, the
+    dashboard and /metrics on ports the system picks (tests run side by side);
+    ``storage``, ``dashboard``, ``telemetry``: more settings of those sections; ``card``:
+    the card section."""
     directory.mkdir(parents=True, exist_ok=True)
     section: dict[str, Any] = {
         "mode": "service",
@@ -78,6 +82,8 @@ def write_config(
             "probe": True,
             **(storage or {}),
         },
+        "dashboard": {"port": 0, **(dashboard or {})},
+        "telemetry": telemetry or {"prometheus": {"port": 0}},
     }
     if card is not None:
         document["card"] = card
