@@ -10,7 +10,6 @@ that cannot open the segment says so, with the settings that fix it.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import mmap
 import os
@@ -26,6 +25,8 @@ from kvharbor.telemetry.log import get_logger
 
 _log = get_logger("kvharbor.gateway.shm")
 _libc = ctypes.CDLL(None, use_errno=True)
+MADV_REMOVE = 9
+"""madvise(2): free the range and its backing store (tmpfs pages)."""
 
 SHM_DIR = Path("/dev/shm")
 SHARE_HINT = (
@@ -211,10 +212,19 @@ class Segment:
                 raise ShmUnavailable(f"cannot make {end - start} bytes of {self.path} {state}: {os.strerror(errno)}")
 
     def close(self) -> None:
+        base = address_of(self.view)
         self.view.release()
-        # A caller may still hold a view: the mapping then goes with the process.
-        with contextlib.suppress(BufferError):
+        try:
             self.map.close()
+        except BufferError:
+            # A view of it is still referenced (by objects of a stopped gateway that only
+            # the garbage collector will free): the mapping stays until then. The owner
+            # gives its pages back now, so that a process that stops gateways and goes
+            # on (a test run) does not hold their memory: MADV_REMOVE punches them out
+            # of the file, and a stray read sees zeros, never another segment's bytes.
+            # A client must not: the pages are the gateway's, shared with every client.
+            if self.owner:
+                _libc.madvise(ctypes.c_void_p(base), ctypes.c_size_t(self.size), MADV_REMOVE)
         if self.owner:
             self.path.unlink(missing_ok=True)
 

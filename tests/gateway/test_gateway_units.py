@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -11,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvharbor.config import MIB
-from kvharbor.gateway.shm import PAGE_BYTES, ShmTooSmall, plan_ring
+from kvharbor.gateway.shm import PAGE_BYTES, Segment, ShmTooSmall, plan_ring
 from kvharbor.hal.extents import Extents, round_up
 
 # -- ring ----------------------------------------------------------------------
@@ -103,3 +104,22 @@ def test_plan_refuses_below_the_minimum() -> None:
 def test_plan_at_exactly_the_minimum_starts() -> None:
     plan = plan_ring(1024 * MIB, 64 * MIB, free_bytes=64 * MIB, total_bytes=64 * MIB)
     assert plan.granted_bytes == 64 * MIB
+
+
+def _shm_used_bytes() -> int:
+    vfs = os.statvfs("/dev/shm")
+    return (vfs.f_blocks - vfs.f_bfree) * vfs.f_frsize
+
+
+def test_a_closed_segment_gives_its_pages_back_while_a_view_of_it_lives() -> None:
+    """A stopped gateway's objects may keep a view until the garbage collector frees
+    them: the owner's close still returns the segment's memory to /dev/shm."""
+    size = 64 * MIB
+    segment = Segment.create(Path(f"/dev/shm/kvh-test-units-{os.getpid()}"), size)
+    kept = segment.view[:PAGE_BYTES]
+    before = _shm_used_bytes()
+    segment.close()
+    freed = before - _shm_used_bytes()
+    assert freed >= size // 2, f"{freed} bytes freed of {size}"  # Others use /dev/shm at the same time.
+    assert bytes(kept[:8]) == bytes(8)  # The pages read as zeros now, never anyone else's.
+    kept.release()
