@@ -97,7 +97,7 @@ def foreground(section: GatewaySection, value: bytes, ops: int, while_refilling:
                 break
             samples.append(put_get(client, uuid.uuid4().bytes, value))
         if while_refilling and not samples:
-            raise SystemExit(f"the refill ended before the first sample ({client.status()['refill']}): raise --objects")
+            raise SystemExit(f"the refill ended before the first sample ({client.status().refill}): raise --objects")
         while client.status().refill.state == "running":
             time.sleep(0.05)  # A benchmark polling for its end, not a test's synchronisation.
         return samples, client.status().refill

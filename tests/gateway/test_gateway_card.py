@@ -61,7 +61,7 @@ def test_a_gateway_serves_from_a_simulated_card_through_full_and_a_target_outage
     with closing_client(gateway.client()) as client:
         # Put and get: stored in both tiers (write-through), read back whole.
         assert put_values(client, first) == len(first)
-        assert card_status(client.status()).counters["puts"] == len(first)
+        assert card_status(client.status()).counters.puts == len(first)
         # Card full (key eviction off; the tier's own budget never fills the card, something
         # else on it does): the card refuses, RAM keeps taking values (in batches that fit it).
         write_control(control, fill_ratio=1.0)
@@ -69,7 +69,7 @@ def test_a_gateway_serves_from_a_simulated_card_through_full_and_a_target_outage
             assert put_values(client, more[start : start + 5]) == 5
         status = client.status()
         card = card_status(status)
-        assert card.counters["full"] > 0 and card.device_statuses["1/81h"] == card.counters["full"]
+        assert card.counters.full > 0 and card.device_statuses["1/81h"] == card.counters.full
         assert card.health == "degraded" and "CapacityUsage CRITICAL" in card.health_detail
         # The card section of the status: the card's own figures, and kvharbor status shows them.
         assert status.cards["card"].capacity_usage is CapacityUsage.CRITICAL
@@ -81,7 +81,7 @@ def test_a_gateway_serves_from_a_simulated_card_through_full_and_a_target_outage
         # The first values left the small RAM tier long ago: the card serves them.
         keys = [key for key, _ in first]
         assert get_values(client, keys) == [value_for(k, s) for k, s in first]
-        assert card_status(client.status()).counters["hits"] >= 1
+        assert card_status(client.status()).counters.hits >= 1
 
         # The remote target stops answering: the tier is unavailable at the next value
         # written through to it, and the gateway serves on from RAM.
@@ -101,9 +101,9 @@ def test_a_gateway_serves_from_a_simulated_card_through_full_and_a_target_outage
         assert card.breaker == "closed" and card.device_statuses["3/70h"] >= 1
         for _ in range(12):  # Push the first values out of RAM: only the card has them now.
             assert put_one()
-        hits = card_status(client.status()).counters["hits"]
+        hits = card_status(client.status()).counters.hits
         assert get_values(client, keys) == [value_for(k, s) for k, s in first]
-        assert card_status(client.status()).counters["hits"] > hits, "served by the card again"
+        assert card_status(client.status()).counters.hits > hits, "served by the card again"
     log = gateway.log()
     assert log.count("tier 'card' unavailable") == 1 and log.count("tier 'card' answers again") == 1
     assert log.count("tier 'card' is full") == 1, "said once, not per refused value"
@@ -129,15 +129,15 @@ def test_a_target_that_comes_back_with_no_traffic_is_found_by_the_background_pro
         for _ in range(4):  # Push the first values out of RAM: only the card holds them.
             batch = [(next(fresh).to_bytes(16, "big"), VALUE_BYTES) for _i in range(4)]
             assert put_values(client, batch) == 4
-        requests = card_status(client.status()).counters["skipped"]
+        requests = card_status(client.status()).counters.skipped
         write_control(control, target_up=True)
         # No request reaches the card now: only the background probe can find it back.
         wait_until(lambda: "tier 'card' answers again" in gateway.log(), "the probe found the card back")
         card = card_status(client.status())
-        assert card.breaker == "closed" and card.counters["skipped"] == requests
-        hits = card.counters["hits"]
+        assert card.breaker == "closed" and card.counters.skipped == requests
+        hits = card.counters.hits
         assert get_values(client, [key for key, _ in first]) == [value_for(k, s) for k, s in first]
-        assert card_status(client.status()).counters["hits"] > hits, "the next get hits the card"
+        assert card_status(client.status()).counters.hits > hits, "the next get hits the card"
     log = gateway.log()
     assert log.count("tier 'card' unavailable") == 1 and log.count("tier 'card' answers again") == 1
     assert gateway.stop() == 0
@@ -169,7 +169,7 @@ def test_a_gateway_restarted_over_a_file_card_still_hits_and_wipe_waits_for_it(
     assert "kvharbor: tier card: 5 values found on the device" in gateway.log()
     with closing_client(gateway.client()) as client:
         assert get_values(client, [key for key, _ in items]) == [value_for(k, s) for k, s in items]
-        assert card_status(client.status()).counters["hits"] == len(items), "RAM was empty: the card served"
+        assert card_status(client.status()).counters.hits == len(items), "RAM was empty: the card served"
         # While the gateway serves the card, wipe refuses (its socket answers, the store is locked).
         assert main(["card", "wipe", "--config", str(config_path), "--yes"]) == 2
         assert "is serving it; stop the gateway first, or pass --force" in capsys.readouterr().err

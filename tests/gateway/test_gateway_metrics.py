@@ -127,14 +127,12 @@ def test_lookups_puts_gets_evictions_and_corrupt_objects_move_their_series(
 
         # The status reads the same numbers.
         status = client.status()
-        assert status["counters"]["get_bytes"] == value(refused, "kvharbor_bytes_out_total")
-        assert status["counters"]["rejected"] == {"UNKNOWN_BATCH": 1}
-        assert status["store"]["hits"]["hit_tokens"] == value(refused, "kvharbor_hit_tokens_total")
-        ram, files = status["store"]["tiers"]
-        assert ram["counters"]["evictions"] == value(refused, "kvharbor_tier_evictions_total", tier="ram")
-        assert files["counters"]["corrupt"] == 1 and files["keys"] == value(
-            refused, "kvharbor_tier_objects", tier="files"
-        )
+        assert status.counters["get_bytes"] == value(refused, "kvharbor_bytes_out_total")
+        assert status.rejected == {"UNKNOWN_BATCH": 1}
+        assert status.store.hits.hit_tokens == value(refused, "kvharbor_hit_tokens_total")
+        ram, files = status.store.tiers
+        assert ram.counters.evictions == value(refused, "kvharbor_tier_evictions_total", tier="ram")
+        assert files.counters.corrupt == 1 and files.keys == value(refused, "kvharbor_tier_objects", tier="files")
     wait_until(lambda: value(scrape(gateway), "kvharbor_clients_attached") == 0, "the client counted out")
 
 
@@ -152,7 +150,7 @@ def test_a_client_gone_with_a_put_open_is_an_unclean_detach(gateway: RealGateway
         assert value(after, "kvharbor_marked_values_stored_total") == 1
         assert value(after, "kvharbor_errors_total", kind="unmarked_dropped") == 2
         assert value(after, "kvharbor_clients_attached") == 1, "the observer only"
-        assert observer.status()["counters"]["clients_died_mid_transfer"] == 1
+        assert observer.status().counters["clients_died_mid_transfer"] == 1
 
 
 def test_a_card_tier_shows_its_sensors_and_its_breaker(tmp_path: Path) -> None:

@@ -86,12 +86,12 @@ def test_the_most_recent_objects_that_fit_come_back_into_ram(lab: Lab) -> None:
     with closing_client(gateway.client()) as client:
         for key in expected:
             assert get_values(client, [key]) == [value_for(key, VALUE_BYTES)]
-        assert tier_status(gateway, "ram").counters["hits"] == RAM_OBJECTS
-        assert tier_status(gateway, "local").counters["hits"] == 0
+        assert tier_status(gateway, "ram").counters.hits == RAM_OBJECTS
+        assert tier_status(gateway, "local").counters.hits == 0
         # One that did not fit is on disk only.
         older = keys[3]
         assert get_values(client, [older]) == [value_for(older, VALUE_BYTES)]
-        assert tier_status(gateway, "local").counters["hits"] == 1
+        assert tier_status(gateway, "local").counters.hits == 1
     log = gateway.log()
     assert log.count("refilling RAM tier 'ram'") == 1, log
     assert f"RAM tier 'ram' refill done: {RAM_OBJECTS} objects, {RAM_OBJECTS * VALUE_BYTES} bytes" in log, log
@@ -110,13 +110,13 @@ def test_a_damaged_object_on_disk_is_not_promoted_and_is_counted(lab: Lab) -> No
     again = lab.gateway(lab.config("third", tiers=tiers(lab.tmp_path), storage={"refill_ram": True})).start()
     refill = wait_refilled(again)
     assert refill.done and refill.objects == 3 and refill.damaged == 1
-    assert tier_status(again, "local").counters["corrupt"] == 1
+    assert tier_status(again, "local").counters.corrupt == 1
     assert tier_status(again, "ram").keys == 3
     with closing_client(again.client()) as client:
         assert client.lookup([damaged]) == 0  # Dropped from disk, never copied.
         for key in keys[:1] + keys[2:]:
             assert get_values(client, [key]) == [value_for(key, VALUE_BYTES)]
-    assert tier_status(again, "local").counters["hits"] == 0
+    assert tier_status(again, "local").counters.hits == 0
     assert "RAM tier 'ram' refill done: 3 objects" in again.log() and "(1 damaged, dropped)" in again.log()
 
 
@@ -129,7 +129,7 @@ def test_refill_off_promotes_nothing(lab: Lab) -> None:
     assert "kvharbor: refilling" not in gateway.log() and "refill done" not in gateway.log()
     with closing_client(gateway.client()) as client:
         assert get_values(client, keys) == [value_for(key, VALUE_BYTES) for key in keys]
-    assert tier_status(gateway, "local").counters["hits"] == len(keys)
+    assert tier_status(gateway, "local").counters.hits == len(keys)
 
 
 def test_a_stop_during_the_refill_is_clean_and_engines_win(lab: Lab) -> None:
@@ -146,7 +146,7 @@ def test_a_stop_during_the_refill_is_clean_and_engines_win(lab: Lab) -> None:
         # The refill stores behind what engines store, and only into free room: never over it.
         wait_until(lambda: refill_status(gateway).objects >= 2, "the refill goes on")
         assert get_values(client, [fresh]) == [value_for(fresh, value_bytes)]
-        assert tier_status(gateway, "ram").counters["hits"] == 1
+        assert tier_status(gateway, "ram").counters.hits == 1
     assert refill_status(gateway).state == "running"
     assert gateway.process is not None
     gateway.process.send_signal(signal.SIGTERM)

@@ -118,7 +118,7 @@ class RealGateway:
     @property
     def lookups(self) -> int:
         """LOOKUP requests the gateway answered."""
-        return int(self.status().store.hits["lookups"])
+        return self.status().store.hits.lookups
 
     @property
     def connects(self) -> int:
@@ -128,4 +128,4 @@ class RealGateway:
     @property
     def puts(self) -> int:
         """Values stored (every tier counts its own; this is the first tier's)."""
-        return int(self.status().store.tiers[0].counters.get("puts", 0))
+        return self.status().store.tiers[0].counters.puts

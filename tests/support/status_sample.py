@@ -15,6 +15,7 @@ from kvharbor.gateway.status import (
     ShmStatus,
 )
 from kvharbor.hal.base import CapacityUsage, CardStatus
+from kvharbor.telemetry.metrics import HitCounts, TierCounts
 
 LAYOUT = LayoutFingerprint(model_id="tiny", chunk_size=16, kv_shapes=("L0:2x4x8:float32",), extra=(("device", "cpu"),))
 
@@ -23,7 +24,7 @@ def sample_status(temperature_c: float = 41.5) -> GatewayStatus:
     tier = TierStatus(
         name="card", device_type="nvme", codec="none", capacity_bytes=1 << 30, used_bytes=1 << 20, keys=3,
         health="degraded", health_detail="CapacityUsage WARNING", breaker="closed",
-        counters={"puts": 3, "evictions": 1, "corrupt": 0}, device_statuses={"1/81h": 2},
+        counters=TierCounts(puts=3, evictions=1), device_statuses={"1/81h": 2},
     )  # fmt: skip
     card = CardStatus(
         driver="sim", service="running", firmware_version="1.0", temperature_c=temperature_c, supercap="ok",
@@ -38,7 +39,7 @@ def sample_status(temperature_c: float = 41.5) -> GatewayStatus:
         detached=[DetachedClient("vllm-scheduler", 789, 1.7e9 + 5, unclean=True, process_alive=False)],
         transfers_open=1, counters={"clients_total": 2}, rejected={"MALFORMED": 1},
         hit_rate=HitRate(300.0, 64, 32, 128, 48, 4),
-        store=StoreStatus([tier], "write_through", {"lookups": 4}, {"files": "unavailable: no such directory"}),
+        store=StoreStatus([tier], "write_through", HitCounts(lookups=4), {"files": "unavailable: no such directory"}),
         cards={"card": card},
         refill=RefillStatus("done", 1, 4096, 0, 0.5, True),
         layouts=[RegisteredLayout(LAYOUT.digest().hex(), LAYOUT, "vllm-worker rank 0", 1.7e9, True)],
