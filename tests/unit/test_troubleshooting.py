@@ -4,11 +4,15 @@ check it names exists."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
+import typing
 from pathlib import Path
 
 import pytest
 
+from kvharbor.gateway.status import GatewayStatus
+from kvharbor.ops import doctor
 from kvharbor.telemetry.engine_stats import ENGINE_STATS
 from tests.support.log_lines import cited_line_exists
 from tests.support.real_gateway import RealGateway
@@ -19,16 +23,26 @@ METRIC = re.compile(r"(?<![\w:/.-])((?:vllm:)?kvharbor_[a-z_]+)")
 STATUS = re.compile(r"^status: ([\w.\[\]]+)$")
 DOCTOR = re.compile(r"^doctor: (\w+)$")
 
-# The status helper's `GatewayStatus` (kvharbor/gateway/status.py, branch `status`) and its
-# doctor checks (kvharbor/ops/doctor.py), as named there, until that branch is merged:
-# then these become `GatewayStatus`'s own fields and the checks the doctor makes.
-STATUS_FIELDS = frozenset(
-    {"start_clean", "detached", "hit_rate", "layouts", "cards", "store.skipped", "store.tiers"}
-    | {f"store.tiers[].{name}" for name in ("health", "health_detail", "breaker", "counters", "device_statuses")}
-)
-DOCTOR_CHECKS = frozenset(
-    {"gateway", "prompt", "salt", "start_clean", "tiers", "engine", "engine_log", "layout", "chunks", "other_layouts"}
-)
+
+def status_fields(cls: type, prefix: str = "") -> set[str]:
+    """The dotted names of `GatewayStatus`'s fields, into its dataclasses (a list's items as
+    ``name[]``): what the guide may cite as ``status: NAME``."""
+    names: set[str] = set()
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        name = prefix + field.name
+        names.add(name)
+        kind = hints[field.name]
+        if typing.get_origin(kind) is list:
+            (kind,) = typing.get_args(kind)
+            name += "[]"
+        if dataclasses.is_dataclass(kind) and isinstance(kind, type):
+            names |= status_fields(kind, name + ".")
+    return names
+
+
+STATUS_FIELDS = frozenset(status_fields(GatewayStatus))
+DOCTOR_CHECKS = frozenset(re.findall(r'Finding\(\s*"(\w+)"', Path(doctor.__file__).read_text()))
 
 
 def quoted() -> list[str]:
