@@ -105,15 +105,19 @@ def test_history_shows_the_hit_rate_of_each_interval(served: tuple[GatewayProces
 
 
 def test_metrics_parse_on_both_ports(served: tuple[GatewayProcess, Ports]) -> None:
-    _, ports = served
+    gateway, ports = served
     assert ports.metrics is not None
     with http(ports.dashboard) as web, http(ports.metrics) as scraper:
+        before = samples(web.get("/metrics").text)
+        lookups(gateway, hits=1, misses=1)
         for port_client in (web, scraper):
             answer = port_client.get("/metrics")
             assert answer.headers["content-type"].startswith("text/plain")
             found = samples(answer.text)
             info = f"kvharbor_gateway_info{{protocol={PROTOCOL_VERSION},release={__version__}}}"
             assert found[info] == 1, sorted(found)[:20]
+            for name, grew in (("kvharbor_lookups_total{}", 1), ("kvharbor_lookup_tokens_total{}", 2 * CHUNK_TOKENS)):
+                assert found[name] == before.get(name, 0) + grew, name
         assert scraper.get("/api/status").status_code == 404, "the Prometheus port serves /metrics alone"
 
 
