@@ -513,20 +513,23 @@ class Gateway:
                     return
                 progress.start(frame.request_id)
                 started = time.perf_counter()
+                outcome: p.Message | p.ProtocolError
                 try:
-                    reply = self._answer(connection, frame.type, body)
+                    outcome = self._answer(connection, frame.type, body)
                 except p.ProtocolError as err:
-                    self._reject(connection, err, frame.request_id)
-                    if err.code is p.ErrorCode.STEPPING_ASIDE and self._lifetime is not None:
+                    outcome = err
+                finally:
+                    # Before the answer goes out, so a client holding its answer finds the
+                    # request counted; refused requests too: their time was the gateway's.
+                    self.metrics.served(frame.type, time.perf_counter() - started)
+                if isinstance(outcome, p.ProtocolError):
+                    self._reject(connection, outcome, frame.request_id)
+                    if outcome.code is p.ErrorCode.STEPPING_ASIDE and self._lifetime is not None:
                         self._lifetime.told()  # Only now: its stop hangs up on this connection too.
-                    if err.code in CLOSING_REFUSALS:
+                    if outcome.code in CLOSING_REFUSALS:
                         return
                     continue
-                else:
-                    send_message(sock, reply, frame.request_id)
-                finally:
-                    # Refused requests too: their time was the gateway's as well.
-                    self.metrics.served(frame.type, time.perf_counter() - started)
+                send_message(sock, outcome, frame.request_id)
         except (PeerClosed, OSError):
             pass  # The client went away; its extents are freed below.
         finally:
