@@ -33,7 +33,6 @@ so the caller may reuse its buffer at once.
 from __future__ import annotations
 
 import itertools
-from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -50,10 +49,6 @@ larger O_DIRECT request at ``max_sectors_kb``, 4 MiB here, anyway)."""
 FIRST_CHUNK_BYTES = 256 * 1024
 """First and last chunk: the copy (on a put) or hash and copy (on a get) of this many bytes is
 the CPU work that cannot overlap any I/O, ~40 µs at memory speed."""
-READ_AHEAD_CHUNKS = 8
-"""Chunk reads in flight at once: one request at a time would leave the device's queue
-(and its parallel flash channels) idle between chunks; eight of up to `CHUNK_BYTES` keep about
-as much in flight as one 32 MiB read does (the kernel cuts it into 4 MiB requests, all queued)."""
 
 
 def chunk_plan(lo: int, hi: int) -> list[tuple[int, int]]:
@@ -177,7 +172,6 @@ def read_object(
     hasher = xxhash.xxh3_64(seed=seed)
     # Each range with where its bytes start in the value.
     placed = list(zip(ranges, itertools.accumulate((b - a for a, b in ranges), initial=0), strict=False))
-    submitted: deque[Future[int]] = deque()
 
     def read_chunk(lo: int, hi: int) -> int:
         """Read one chunk and copy its value bytes out, in an I/O thread: the copy (GIL let go)
@@ -190,23 +184,19 @@ def read_object(
                     copy_released(copy_to, at + a - r0, into, a, b)
         return got
 
-    def submit(i: int) -> None:
-        if i < len(chunks):
-            submitted.append(io.submit(read_chunk, *chunks[i]))
-
-    for i in range(READ_AHEAD_CHUNKS):
-        submit(i)
-    short = False
+    # Every chunk is queued at once; the pool's threads take them in order, as many at a time
+    # as it has. A window refilled only as the chunks are hashed, in order, would stall
+    # behind the one chunk the device serves late (it reorders requests; one 512 KiB
+    # read was seen finishing after the next 16 MiB): every later chunk would wait with it.
+    futures = [io.submit(read_chunk, lo, hi) for lo, hi in chunks]
     try:
-        for i, (lo, hi) in enumerate(chunks):
-            if submitted.popleft().result() != hi - lo:
-                short = True
-                break
-            submit(i + READ_AHEAD_CHUNKS)
+        for (lo, hi), future in zip(chunks, futures, strict=True):
+            if future.result() != hi - lo:
+                return None
             for (r0, r1), _ in placed:
                 a, b = max(lo, r0), min(hi, r1)
                 if b > a:
                     hasher.update(into[a:b])
     finally:
-        _finish(list(submitted))  # Chunks in flight finish before ``into`` is reused.
-    return None if short else hasher.intdigest()
+        _finish(futures)  # Every chunk finishes before ``into`` is reused.
+    return hasher.intdigest()
