@@ -557,7 +557,14 @@ class BlockStoreDevice(Device, CardDevice, EventSource, SelfDescribingDevice):
         view = buffer.view[: place.layout.span]
         try:
             value_checksum = read_object(
-                self._io, self._fd, view, place.offset, place.layout.ranges(), self.store.seed, copy_to
+                self._io,
+                self._fd,
+                view,
+                place.offset,
+                place.layout.ranges(),
+                self.store.seed,
+                copy_to,
+                self._opened.memory_align_bytes,
             )
         except OSError as err:
             raise device_error(self.name, err, f"read {self.path}") from err
