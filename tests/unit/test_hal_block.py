@@ -18,7 +18,7 @@ from kvharbor.cache.format import Codec, decode, encode
 from kvharbor.cache.keys import ChunkKey, LayoutFingerprint
 from kvharbor.cache.recovery import recover_entries
 from kvharbor.hal.base import DeviceEventKind, DeviceFull, DeviceUnavailable, HealthState
-from kvharbor.hal.block.direct import AlignedBuffer
+from kvharbor.hal.block.direct import AlignedBuffer, open_direct
 from kvharbor.hal.block.layout import (
     BLOCK_BYTES,
     FORMAT_MAGIC,
@@ -26,11 +26,12 @@ from kvharbor.hal.block.layout import (
     REGION_HEADER_BYTES,
     SUPERBLOCK_BYTES,
     LayoutError,
+    ValueLayout,
     checksum,
     object_span,
     round_up,
 )
-from kvharbor.hal.block.pipeline import CHUNK_BYTES, FIRST_CHUNK_BYTES, chunk_plan
+from kvharbor.hal.block.pipeline import CHUNK_BYTES, FIRST_CHUNK_BYTES, chunk_plan, in_place_run
 from kvharbor.hal.block.store import IN_PLACE_MIN_BYTES, BlockStoreDevice
 
 REGION_BYTES = 256 * 1024
@@ -332,6 +333,70 @@ def test_a_block_aligned_payload_is_written_where_it_lies_and_comes_back_whole(t
     finally:
         store.close()
         payload.close()
+
+
+def test_a_get_into_aligned_memory_reads_in_place_and_still_verifies(tmp_path: Path) -> None:
+    """Where the caller's buffer puts the value's blocks at addresses O_DIRECT can read into
+    (a payload page-aligned after its header, as a put takes it), they are read there, not
+    copied; every destination gets the same bytes, and a damaged block read in place is a miss."""
+    header, data = os.urandom(100), os.urandom(2 * CHUNK_BYTES + 777)
+    total = len(header) + len(data)
+    room = total + BLOCK_BYTES
+    region_bytes = REGION_HEADER_BYTES + object_span(room)
+    path = tmp_path / "in-place.blocks"
+    payload = AlignedBuffer(round_up(len(data)))
+    payload.view[: len(data)] = data
+    dest = AlignedBuffer(round_up(total) + 2 * BLOCK_BYTES)
+    split, contiguous = ValueLayout(total, len(header), BLOCK_BYTES), ValueLayout(total)
+    # A payload on a page edge for the split object; block 1 of the object on one for the contiguous.
+    destinations = {
+        "payload page-aligned": (dest.view[BLOCK_BYTES - len(header) :], split),
+        "block 1 page-aligned": (dest.view[OBJECT_HEADER_BYTES:], contiguous),
+        "odd address": (dest.view[1:], None),
+    }
+    for name, (into, layout) in destinations.items():
+        for candidate in (split, contiguous):
+            run = in_place_run(candidate.ranges(), into, BLOCK_BYTES)
+            assert (run is not None) == (candidate == layout), (name, candidate)
+    store = BlockStoreDevice("card", str(path), room, region_bytes=region_bytes, create_bytes=4096 + 3 * region_bytes)
+    try:
+        store.put(key(1), [header, payload.view[: len(data)]])  # Split.
+        store.put(key(2), [header, data])  # Contiguous.
+        for name, (into, _) in destinations.items():
+            for k in (key(1), key(2)):
+                into[:total] = bytes(total)
+                assert store.get(k, into) == total and bytes(into[:total]) == header + data, (name, k)
+        with open(path, "r+b") as f:  # Key 1's payload block 2, which a get reads in place.
+            at = SUPERBLOCK_BYTES + REGION_HEADER_BYTES + 3 * BLOCK_BYTES + 5
+            f.seek(at)
+            byte = f.read(1)
+            f.seek(at)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        assert store.get(key(1), destinations["payload page-aligned"][0]) is None
+        assert store.status_counts()["checksum_mismatch"] == 1
+    finally:
+        store.close()
+        for view, _ in destinations.values():
+            view.release()
+        payload.close()
+        dest.close()
+
+
+def test_o_direct_reads_into_memory_aligned_as_the_kernel_states(store_path: Path) -> None:
+    """The alignment `in_place_run` relies on (``statx``'s, here ext4's): a read into an address
+    aligned to it and to nothing larger is accepted (too small a figure would be EINVAL)."""
+    store_path.write_bytes(os.urandom(2 * BLOCK_BYTES))
+    opened = open_direct(str(store_path))
+    buffer = AlignedBuffer(3 * BLOCK_BYTES)
+    try:
+        align = opened.memory_align_bytes
+        assert opened.direct and BLOCK_BYTES % align == 0
+        at = align if align < BLOCK_BYTES else 0
+        assert os.preadv(opened.fd, [buffer.view[at : at + BLOCK_BYTES]], BLOCK_BYTES) == BLOCK_BYTES
+        assert bytes(buffer.view[at : at + BLOCK_BYTES]) == store_path.read_bytes()[BLOCK_BYTES:]
+    finally:
+        os.close(opened.fd)
+        buffer.close()
 
 
 def test_chunks_cover_a_span_exactly_small_at_both_ends() -> None:

@@ -5,7 +5,11 @@ where the value's last part is block-aligned in the caller's memory (a payload
 in shared memory) it is written from there, in place, and hashed while it is
 written (`ValueLayout`'s split); otherwise it is copied into the store's aligned
 staging buffer chunk by chunk, each chunk written as soon as it is filled. A get
-must checksum what it read and copy it out. Done one after the other, that CPU
+must checksum what it read and hand it out: where the caller's buffer puts the
+value's blocks at addresses O_DIRECT can read into (`in_place_run`: a payload on
+a page edge after its header, as a put takes it) they are read there, in place;
+otherwise, and for the object header's block and a partial last block, into the
+store's buffer and copied out. Done one after the other, that CPU
 time adds to the device's and a 32 MiB value is stored at well under the disk's
 speed; here I/O threads write (or read) chunk k while the caller's thread copies
 and hashes chunk k + 1.
@@ -24,7 +28,10 @@ before it) and the last chunk's hash on a read (no I/O is left to overlap).
 `chunk_plan` therefore starts and ends with small chunks, `FIRST_CHUNK_BYTES`,
 doubling up to `CHUNK_BYTES` in between: the work on the critical path is a
 fraction of a millisecond, while the middle of the value goes in chunks large
-enough that a chunk's submission costs little against its I/O.
+enough that a chunk's submission costs little against its I/O. A get queues
+all its chunks at once (the pool's threads bound how many are in flight): the
+device may serve them out of order, and reads queued only as earlier chunks are
+hashed would wait behind the one it serves last.
 
 Contracts: every chunk's I/O has finished when a function returns or raises,
 so the caller may reuse its buffer at once.
@@ -33,15 +40,14 @@ so the caller may reuse its buffer at once.
 from __future__ import annotations
 
 import itertools
-from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import xxhash
 
-from kvharbor.hal.block.direct import copy_released, pwrite_full
-from kvharbor.hal.block.layout import BLOCK_BYTES, OBJECT_HEADER_BYTES, ValueLayout
+from kvharbor.hal.block.direct import address, copy_released, pwrite_full
+from kvharbor.hal.block.layout import BLOCK_BYTES, OBJECT_HEADER_BYTES, ValueLayout, round_up
 from kvharbor.hal.posix import read_into
 
 CHUNK_BYTES = 4 * 1024 * 1024
@@ -50,10 +56,6 @@ larger O_DIRECT request at ``max_sectors_kb``, 4 MiB here, anyway)."""
 FIRST_CHUNK_BYTES = 256 * 1024
 """First and last chunk: the copy (on a put) or hash and copy (on a get) of this many bytes is
 the CPU work that cannot overlap any I/O, ~40 µs at memory speed."""
-READ_AHEAD_CHUNKS = 8
-"""Chunk reads in flight at once: one request at a time would leave the device's queue
-(and its parallel flash channels) idle between chunks; eight of up to `CHUNK_BYTES` keep about
-as much in flight as one 32 MiB read does (the kernel cuts it into 4 MiB requests, all queued)."""
 
 
 def chunk_plan(lo: int, hi: int) -> list[tuple[int, int]]:
@@ -159,6 +161,23 @@ def write_object(
     return staging[:head_end], hasher.intdigest()
 
 
+def _placed(ranges: Sequence[tuple[int, int]]) -> list[tuple[tuple[int, int], int]]:
+    """Each of a value's ranges in its object with where its bytes start in the value."""
+    return list(zip(ranges, itertools.accumulate((b - a for a, b in ranges), initial=0), strict=False))
+
+
+def in_place_run(
+    ranges: Sequence[tuple[int, int]], copy_to: memoryview, memory_align_bytes: int
+) -> tuple[int, int, int] | None:
+    """The largest run of whole blocks ``[lo, hi)`` of an object, inside one of its value's
+    ``ranges``, whose place in ``copy_to`` (object offset + ``shift``) starts at an address that
+    O_DIRECT can read into, as ``(lo, hi, shift)``; None where there is none."""
+    runs = [(round_up(r0), r1 // BLOCK_BYTES * BLOCK_BYTES, at - r0) for (r0, r1), at in _placed(ranges)]
+    base = address(copy_to)
+    aligned = [(lo, hi, shift) for lo, hi, shift in runs if hi > lo and (base + lo + shift) % memory_align_bytes == 0]
+    return max(aligned, key=lambda run: run[1] - run[0], default=None)
+
+
 def read_object(
     io: ThreadPoolExecutor,
     fd: int,
@@ -167,46 +186,61 @@ def read_object(
     ranges: Sequence[tuple[int, int]],
     seed: int,
     copy_to: memoryview | None,
+    memory_align_bytes: int = BLOCK_BYTES,
 ) -> int | None:
-    """Read ``into`` (whole blocks) from ``offset``, the next chunks while hashing (and copying
-    to ``copy_to``, one after the other) the value's ``ranges`` of ``into`` in this one.
-    Returns the value's xxh3 with ``seed``, or None when the device ended early."""
+    """Read the object of ``into.nbytes`` (whole blocks) at ``offset``, the next chunks while
+    hashing (and, with ``copy_to``, handing out) the value's ``ranges`` of it in this one.
+    Returns the value's xxh3 with ``seed``, or None when the device ended early.
+
+    Where ``copy_to`` lies so that most of the value's blocks land at addresses aligned as the
+    fd's I/O needs (``memory_align_bytes``, `Opened.memory_align_bytes`), those blocks are read
+    straight into it and hashed there; the rest (the object header's block, a partial last
+    block) is read into ``into`` and copied out. Either way the bytes in ``copy_to`` are the
+    caller's only once the returned checksum matched."""
     if copy_to is not None and copy_to.nbytes < sum(b - a for a, b in ranges):
         raise ValueError(f"a value of {sum(b - a for a, b in ranges)} bytes does not fit {copy_to.nbytes}")
-    chunks = chunk_plan(0, into.nbytes)
     hasher = xxhash.xxh3_64(seed=seed)
-    # Each range with where its bytes start in the value.
-    placed = list(zip(ranges, itertools.accumulate((b - a for a, b in ranges), initial=0), strict=False))
-    submitted: deque[Future[int]] = deque()
+    placed = _placed(ranges)
+    direct = None if copy_to is None else in_place_run(ranges, copy_to, memory_align_bytes)
+    if direct is None:
+        chunks = chunk_plan(0, into.nbytes)
+    else:
+        lo, hi, _ = direct
+        chunks = [*chunk_plan(0, lo), *chunk_plan(lo, hi), *chunk_plan(hi, into.nbytes)]
+
+    def landing(lo: int, hi: int) -> tuple[memoryview, int]:
+        """Where the chunk ``[lo, hi)`` of the object is read to: the view and the shift from
+        object offsets to its indices."""
+        if direct is not None and copy_to is not None and direct[0] <= lo and hi <= direct[1]:
+            return copy_to, direct[2]
+        return into, 0
 
     def read_chunk(lo: int, hi: int) -> int:
-        """Read one chunk and copy its value bytes out, in an I/O thread: the copy (GIL let go)
-        runs beside the caller's hashing of the chunk before."""
-        got = read_into(fd, into[lo:hi], offset + lo)
-        if copy_to is not None and got == hi - lo:
+        """Read one chunk and copy its value bytes out (unless it was read in place), in an I/O
+        thread: the copy (GIL let go) runs beside the caller's hashing of the chunk before."""
+        view, shift = landing(lo, hi)
+        got = read_into(fd, view[lo + shift : hi + shift], offset + lo)
+        if copy_to is not None and view is into and got == hi - lo:
             for (r0, r1), at in placed:
                 a, b = max(lo, r0), min(hi, r1)
                 if b > a:
                     copy_released(copy_to, at + a - r0, into, a, b)
         return got
 
-    def submit(i: int) -> None:
-        if i < len(chunks):
-            submitted.append(io.submit(read_chunk, *chunks[i]))
-
-    for i in range(READ_AHEAD_CHUNKS):
-        submit(i)
-    short = False
+    # Every chunk is queued at once; the pool's threads take them in order, as many at a time
+    # as it has. A window refilled only as the chunks are hashed, in order, would stall
+    # behind the one chunk the device serves late (it reorders requests; one 512 KiB
+    # read was seen finishing after the next 16 MiB): every later chunk would wait with it.
+    futures = [io.submit(read_chunk, lo, hi) for lo, hi in chunks]
     try:
-        for i, (lo, hi) in enumerate(chunks):
-            if submitted.popleft().result() != hi - lo:
-                short = True
-                break
-            submit(i + READ_AHEAD_CHUNKS)
+        for (lo, hi), future in zip(chunks, futures, strict=True):
+            if future.result() != hi - lo:
+                return None
+            view, shift = landing(lo, hi)
             for (r0, r1), _ in placed:
                 a, b = max(lo, r0), min(hi, r1)
                 if b > a:
-                    hasher.update(into[a:b])
+                    hasher.update(view[a + shift : b + shift])
     finally:
-        _finish(list(submitted))  # Chunks in flight finish before ``into`` is reused.
-    return None if short else hasher.intdigest()
+        _finish(futures)  # Every chunk finishes before ``into`` (or ``copy_to``) is reused.
+    return hasher.intdigest()

@@ -81,7 +81,7 @@ from kvharbor.hal.block.layout import (
     object_span,
     round_up,
 )
-from kvharbor.hal.block.pipeline import READ_AHEAD_CHUNKS, read_object, write_object
+from kvharbor.hal.block.pipeline import read_object, write_object
 from kvharbor.hal.posix import device_error, read_into
 from kvharbor.hal.sim.events import CardEventCode, CardEventLog
 from kvharbor.telemetry.log import PREFIX, OnceLog, get_logger
@@ -98,9 +98,11 @@ CRITICAL_USAGE_RATIO = 0.95
 READ_ATTEMPTS = 3
 """Lookups of one get when the key moved while it was read (replaced, region reused)."""
 EVENTS_MAX = 1000
-IO_THREADS = READ_AHEAD_CHUNKS
-"""Threads doing the chunks' I/O (`kvharbor.hal.block.pipeline`): one get's read-ahead, so that
-a chunked read keeps as much in flight as one whole-value read."""
+IO_THREADS = 8
+"""Threads doing the chunks' I/O (`kvharbor.hal.block.pipeline`), so chunk requests in flight at
+once: one at a time would leave the device's queue (and its parallel flash channels) idle between
+chunks; eight of up to 4 MiB (`pipeline.CHUNK_BYTES`) keep about as much in flight as one 32 MiB request does (the
+kernel cuts it into 4 MiB requests, all queued)."""
 IN_PLACE_MIN_BYTES = 1024 * 1024
 """Smallest last part written from the caller's memory (`ValueLayout`): below it the copy costs
 little and the split's padding block more, in proportion."""
@@ -555,7 +557,14 @@ class BlockStoreDevice(Device, CardDevice, EventSource, SelfDescribingDevice):
         view = buffer.view[: place.layout.span]
         try:
             value_checksum = read_object(
-                self._io, self._fd, view, place.offset, place.layout.ranges(), self.store.seed, copy_to
+                self._io,
+                self._fd,
+                view,
+                place.offset,
+                place.layout.ranges(),
+                self.store.seed,
+                copy_to,
+                self._opened.memory_align_bytes,
             )
         except OSError as err:
             raise device_error(self.name, err, f"read {self.path}") from err
