@@ -31,6 +31,7 @@ from kvharbor.cache.format import (
 )
 from kvharbor.cache.index import Entry, OverBudget, TierIndex
 from kvharbor.cache.keys import ChunkKey, fragment_key, tier_fingerprint
+from kvharbor.cache.namespaces import NamespaceTags
 from kvharbor.cache.probe import ProbeFailed, probe_device
 from kvharbor.hal.base import (
     Buffer,
@@ -176,6 +177,9 @@ class Tier:
         self._stored_fingerprints: dict[bytes, bytes] = {}
         """Engine fingerprint -> the one this tier stores under (a few layouts per process)."""
         self._engine_fingerprints: dict[bytes, bytes] = {}
+        self.namespaces = NamespaceTags()
+        """Whose namespace each layout's objects are, for their headers; a store shares
+        one among its tiers (`kvharbor.cache.namespaces`)."""
 
     # -- reads -------------------------------------------------------------
 
@@ -354,12 +358,14 @@ class Tier:
         got = self.device.peek(key, head)
         if got is None:
             return None
-        stored = parse_header(head[:got]).fingerprint
+        header = parse_header(head[:got])
+        stored = header.fingerprint
         # The tiers above store under the engine's fingerprint; one this process never
         # saw (stored before a restart) cannot be told from this tier's own: not copied.
-        fingerprint = self._engine_fingerprints.get(stored) if self.layout else stored
+        fingerprint = self.engine_fingerprint(stored)
         if fingerprint is None:
             return None
+        self.namespaces.learn(fingerprint, header.namespace)  # So that the copy records it too.
         value = decode(key, stored, self._read_part_fn(key, new_buffer))
         return None if value is None else (fingerprint, value)
 
@@ -390,12 +396,14 @@ class Tier:
             if not attempt.allowed:
                 return False
             stored = self._stored_fingerprint(fingerprint)
-            return self._write_encoded(key, stored, value, pinned, on_evict, behind)
+            namespace = self.namespaces.tag(fingerprint)
+            return self._write_encoded(key, stored, namespace, value, pinned, on_evict, behind)
 
     def _write_encoded(
         self,
         key: bytes,
         fingerprint: bytes,
+        namespace: int,
         value: Buffer,
         pinned: frozenset[bytes],
         on_evict: Callable[[Sequence[Entry]], None] | None,
@@ -405,7 +413,7 @@ class Tier:
         if behind and self.contains([key])[0]:
             return False
         try:
-            parts = encode(key, fingerprint, value, self.codec, self.device.max_value_bytes)
+            parts = encode(key, fingerprint, value, self.codec, self.device.max_value_bytes, namespace=namespace)
         except ValueError as err:
             return self._unstorable(err)
         entry = Entry(bytes(key), sum(p.nbytes for p in parts), len(parts))
@@ -483,7 +491,15 @@ class Tier:
         key, fingerprint, span = reservation.key, reservation.fingerprint, reservation.span
         with reservation.attempt:
             stored = self._stored_fingerprint(fingerprint)
-            (part,) = encode(key, stored, reservation.payload, Codec.NONE, device.max_value_bytes, value_checksum)
+            (part,) = encode(
+                key,
+                stored,
+                reservation.payload,
+                Codec.NONE,
+                device.max_value_bytes,
+                value_checksum,
+                self.namespaces.tag(fingerprint),
+            )
             entry = Entry(key, part.nbytes, 1)
             assert entry.nbytes == span.length, (entry.nbytes, span.length)
             if not self._admit(entry, pinned | {key}, on_evict):
@@ -679,6 +695,12 @@ class Tier:
         except DeviceError as err:
             self._fault("delete", err)
             return False
+
+    def engine_fingerprint(self, stored: bytes) -> bytes | None:
+        """The engine fingerprint behind the fingerprint an object of this tier is stored
+        under; None when this tier has a ``layout`` of its own and no engine of this
+        process used that fingerprint (it cannot be told from the digest)."""
+        return self._engine_fingerprints.get(bytes(stored)) if self.layout else bytes(stored)
 
     def _stored_fingerprint(self, fingerprint: bytes) -> bytes:
         """The fingerprint this tier stores ``fingerprint``'s objects under (see ``layout``)."""

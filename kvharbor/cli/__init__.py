@@ -46,6 +46,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "kvharbor.cli.gateway",
     "kvharbor.cli.demo",
     "kvharbor.cli.card",
+    "kvharbor.cli.purge",
 )
 """Modules that each register one command group through ``add_parser(subparsers)``."""
 
