@@ -70,7 +70,12 @@ def test_the_wheel_installs_into_a_fresh_venv_and_its_command_runs(tmp_path: Pat
     (venv_site / "zz_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
 
     ran = subprocess.run(
-        [str(venv / "bin" / "kvharbor"), "--help"], capture_output=True, text=True, cwd=tmp_path, env=environ, timeout=120
+        [str(venv / "bin" / "kvharbor"), "--help"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=environ,
+        timeout=120,
     )
     assert ran.returncode == 0, ran.stderr
     assert "usage: kvharbor" in ran.stdout and "purge" in ran.stdout and "gateway" in ran.stdout
