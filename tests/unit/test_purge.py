@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from kvharbor.cache import index as index_module
-from kvharbor.cache.assembly import open_store
+from kvharbor.cache.assembly import open_store, open_tier
 from kvharbor.cache.format import CorruptObject, encode, parse_header
 from kvharbor.cache.keys import NAMESPACE_UNKNOWN, LayoutFingerprint, namespace_tag, short_digest
 from kvharbor.cache.purge import PurgeFilter, PurgeReport, TierPurge, parse_duration, purge
@@ -190,3 +190,59 @@ def test_bad_input_is_one_line_and_exit_2(
     assert main(["purge", *args, "--yes", "--config", str(write_config(tmp_path))]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvharbor: error: ") and message in err and "Traceback" not in err
+
+
+# -- a card tier -------------------------------------------------------------------
+
+
+def card_config_file(tmp_path: Path) -> Path:
+    document = {
+        "gateway": {"mode": "service", "socket": str(tmp_path / "gw.sock")},
+        "storage": {
+            "tiers": [
+                {"name": "local", "type": "file", "path": str(tmp_path / "files"), "capacity_gb": 0.01},
+                {"name": "card", "type": "nvme", "device": f"file:{tmp_path / 'card.img'}", "capacity_gb": 16 / 1024},
+            ]
+        },
+        "card": {"region_mb": 4, "fragment_bytes": 1 << 20},
+    }
+    path = tmp_path / "kvharbor.yaml"
+    path.write_text(yaml.safe_dump(document))
+    return path
+
+
+def test_a_card_tier_is_purged_by_its_header_tags_or_by_the_same_key_elsewhere_and_skipped_while_held(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config_path = card_config_file(tmp_path)
+    config = load_config(config_path, environ={})
+    alpha = [bytes([1, i]) * 8 for i in range(3)]
+    beta = [bytes([2, i]) * 8 for i in range(2)]
+    store = open_store(config)
+    try:
+        for fingerprint, keys in ((ALPHA, alpha), (BETA, beta)):
+            store.namespaces.learn(fingerprint.digest(), namespace_tag(fingerprint.key_namespace))
+            for key in keys:
+                assert store.put(key, fingerprint.digest(), VALUE)
+        store.tiers[0].delete(beta)  # Beta only on the card now.
+    finally:
+        store.close()
+
+    def run(*args: str) -> dict[str, int]:
+        assert main(["purge", *args, "--yes", "--json", "--config", str(config_path)]) == 0
+        return {t["tier"]: t["objects"] for t in json.loads(capsys.readouterr().out)["tiers"]}
+
+    # The card stores under fingerprints of its own, which a new process cannot map back to
+    # the engine's: its alpha objects go because the file tier's match the layout.
+    assert run("--layout", short_digest(ALPHA.digest())) == {"local": 3, "card": 3}
+    # Its headers record the namespace: beta is found on the card alone.
+    assert run("--namespace", "beta") == {"local": 0, "card": 2}
+
+    holder = open_tier(config.storage.tiers[1], config)  # What a serving gateway does: the card's lock.
+    try:
+        assert main(["purge", "--older-than", "1s", "--yes", "--config", str(config_path)]) == 1
+        out = capsys.readouterr().out
+        assert "tier card: not searched:" in out and "a gateway holds it; left as it is" in out
+        assert "tier local: removed 0 values" in out
+    finally:
+        holder.close()
