@@ -43,9 +43,9 @@ if TYPE_CHECKING:  # The wire protocol imports the types above; it needs no tier
 
 _DURATION = re.compile(r"(?P<number>\d+(?:\.\d+)?)(?P<unit>[smhdw])")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86_400, "w": 604_800}
-_LAYOUT_ID = re.compile(r"#?(?P<hex>[0-9a-f]{6,32})")
 LAYOUT_ID_HEX_MIN = 6
 """The shortest layout ID accepted: fewer hex digits would match layouts by accident."""
+_LAYOUT_ID = re.compile(f"[0-9a-f]{{{LAYOUT_ID_HEX_MIN},{2 * KEY_BYTES}}}")
 DELETE_BATCH_KEYS = 4096
 """Keys removed per `TieredStore.delete` call: a purge of millions yields between batches."""
 
@@ -75,7 +75,7 @@ class PurgeFilter:
     older_than_s: float | None = None
     """Values not used for this long."""
     layout: str | None = None
-    """A layout ID: a prefix of a fingerprint digest's hex (see the module docstring)."""
+    """A layout ID: a prefix of a fingerprint digest's hex, lower case (see the module docstring)."""
 
     def __post_init__(self) -> None:
         given = [name for name in ("namespace", "older_than_s", "layout") if getattr(self, name) is not None]
@@ -86,19 +86,19 @@ class PurgeFilter:
         if self.layout is not None and _LAYOUT_ID.fullmatch(self.layout) is None:
             raise ValueError(
                 f"--layout {self.layout!r} is not a layout ID: expected the hex digits status shows after '#' "
-                f"(at least {LAYOUT_ID_HEX_MIN}, lower case)"
+                f"(at least {LAYOUT_ID_HEX_MIN}, at most {2 * KEY_BYTES})"
             )
 
     @classmethod
     def parse_layout(cls, text: str) -> PurgeFilter:
-        """A layout filter from what a user typed (``#`` and upper case allowed)."""
-        return cls(layout=text.strip().lower())
+        """A layout filter from what a user typed (a leading ``#`` and upper case allowed)."""
+        return cls(layout=text.strip().lower().removeprefix("#"))
 
     def describe(self) -> str:
         if self.namespace is not None:
             return f"namespace {self.namespace!r}"
         if self.layout is not None:
-            return f"layout #{self.layout.lstrip('#')}"
+            return f"layout #{self.layout}"
         return f"values unused for {self.older_than_s:g} s"
 
     def to_json(self) -> str:
@@ -256,10 +256,9 @@ def _header(tier: Tier, key: bytes, head: memoryview) -> Header | None:
 
 
 def _layout_matches(tier: Tier, stored: bytes, layout_id: str) -> bool:
-    prefix = layout_id.lstrip("#")
-    assert LAYOUT_ID_HEX_MIN <= len(prefix) <= 2 * KEY_BYTES
+    assert LAYOUT_ID_HEX_MIN <= len(layout_id) <= 2 * KEY_BYTES, layout_id
     engine = tier.engine_fingerprint(stored)
-    return engine is not None and engine.hex().startswith(prefix)
+    return engine is not None and engine.hex().startswith(layout_id)
 
 
 def _used_since(tiers: Sequence[Tier], found: dict[str, _Found], old: set[bytes]) -> set[bytes]:

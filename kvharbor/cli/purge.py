@@ -18,6 +18,9 @@ removes nothing. Where it works:
   access denied): an error naming why; nothing is touched, since that gateway's RAM
   tier would keep what the files lost.
 
+Exit status: 0 when every configured tier that can hold anything was searched, 1 when
+one could not be (its line says why; the others were still purged), 2 for bad input.
+
 ``--layout ID`` is the short fingerprint digest ``kvharbor status`` and the engine's
 ``cache tensors registered`` line show after ``#`` (or any longer prefix of the digest's
 hex). ``--older-than`` takes ``30m``, ``2h``, ``7d``, ``1h30m`` (units s, m, h, d, w).
