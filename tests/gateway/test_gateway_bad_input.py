@@ -153,7 +153,7 @@ def test_each_bad_message_gets_its_code_and_the_gateway_serves_on(gateway: Gatew
         rejected = bystander.status()["counters"]["rejected"]
         assert rejected == {
             "NOT_READY": 1,
-            "MALFORMED": 7,
+            "MALFORMED": 8,
             "BAD_KEY": 3,
             "TOO_LARGE": 4,
             "UNKNOWN_BATCH": 3,
