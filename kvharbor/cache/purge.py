@@ -66,6 +66,14 @@ def parse_duration(text: str) -> float:
     return seconds
 
 
+def duration_text(seconds: float) -> str:
+    """``seconds`` in the largest unit of `parse_duration` that holds it whole: ``7d``, ``90m``."""
+    for unit, scale in sorted(_UNIT_S.items(), key=lambda item: -item[1]):
+        if seconds >= scale and seconds % scale == 0:
+            return f"{seconds // scale:g}{unit}"
+    return f"{seconds:g}s"
+
+
 @dataclass(frozen=True, slots=True)
 class PurgeFilter:
     """What to purge: exactly one of the three."""
@@ -99,7 +107,7 @@ class PurgeFilter:
             return f"namespace {self.namespace!r}"
         if self.layout is not None:
             return f"layout #{self.layout}"
-        return f"values unused for {self.older_than_s:g} s"
+        return f"values unused for {duration_text(self.older_than_s or 0)}"
 
     def to_json(self) -> str:
         return _FILTER.dump_json(self).decode()

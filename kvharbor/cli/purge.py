@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 from kvharbor.cache.purge import PurgeFilter, PurgeReport, parse_duration
 from kvharbor.cli import Subparsers, add_config_argument, config_from_args
@@ -105,9 +106,11 @@ def _on_persistent_tiers(config: Config, selection: PurgeFilter, apply: bool) ->
     from kvharbor.cache.probe import ProbeFailed
     from kvharbor.cache.purge import TierPurge, purge
     from kvharbor.cache.tier import Tier
-    from kvharbor.config import NvmeTierSection, RamTierSection
+    from kvharbor.config import FileTierSection, NvmeTierSection, RamTierSection
     from kvharbor.hal.base import DeviceError, DeviceInUse
 
+    # No start-up probe: a purge that only looks must write nothing, not even a probe object.
+    quiet = config.model_copy(update={"storage": config.storage.model_copy(update={"probe": False})})
     tiers: list[Tier] = []
     failed: list[TierPurge] = []
     notes: list[str] = []
@@ -117,8 +120,11 @@ def _on_persistent_tiers(config: Config, selection: PurgeFilter, apply: bool) ->
         ):
             notes.append(f"tier '{section.name}' lives in a gateway's memory only; with none running it holds nothing")
             continue
+        if isinstance(section, FileTierSection) and not Path(section.path).exists():
+            notes.append(f"tier '{section.name}': {section.path} does not exist; it holds nothing")
+            continue
         try:
-            tiers.append(open_tier(section, config))
+            tiers.append(open_tier(section, quiet))
         except DeviceInUse as err:
             failed.append(TierPurge(section.name, 0, 0, error=f"{err}: a gateway holds it; left as it is"))
         except (ValueError, DeviceError, ProbeFailed, OSError) as err:
