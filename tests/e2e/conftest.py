@@ -1,8 +1,12 @@
-"""Fixtures for the end-to-end tests: a `Lab` per test (the tiny model comes from tests/conftest.py)."""
+"""Fixtures for the end-to-end tests: a `Lab` per test (the tiny model comes from tests/conftest.py).
+
+A test that fails prints the kvharbor lines of every log its lab holds (the engines' and the
+embedded gateway's, which is removed with the lab): CI keeps only the test's output.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
@@ -10,14 +14,32 @@ from e2e_harness import Lab
 
 from kvharbor.demo.server import VllmServer
 
+_FAILED = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, None, None]:
+    outcome = yield
+    if outcome.get_result().failed:
+        item.stash[_FAILED] = True
+
 
 @pytest.fixture
-def lab(tmp_path: Path, tiny_model: Path) -> Iterator[Lab]:
+def lab(request: pytest.FixtureRequest, tmp_path: Path, tiny_model: Path) -> Iterator[Lab]:
     lab = Lab(tmp_path, tiny_model)
     try:
         yield lab
     finally:
+        if request.node.stash.get(_FAILED, False):
+            print_kvharbor_lines(lab)
         lab.close()
+
+
+def print_kvharbor_lines(lab: Lab) -> None:
+    """Shown under "Captured stdout teardown" of the failed test."""
+    for log in sorted([*lab.root.glob("*.log"), *lab.runtime.glob("*.log")]):
+        lines = [line for line in log.read_text(errors="replace").splitlines() if "kvharbor" in line]
+        print(f"--- {log} ({len(lines)} kvharbor lines)", *lines[-80:], sep="\n")
 
 
 @pytest.fixture
