@@ -568,6 +568,12 @@ class Tier:
 
     # -- state -------------------------------------------------------------
 
+    def engine_fingerprint(self, stored: bytes) -> bytes | None:
+        """The engine fingerprint behind the fingerprint an object of this tier is stored
+        under; None when this tier has a ``layout`` of its own and no engine of this
+        process used that fingerprint (it cannot be told from the digest)."""
+        return self._engine_fingerprints.get(bytes(stored)) if self.layout else bytes(stored)
+
     def status(self) -> TierStatus:
         health = self.device.health()
         try:
@@ -695,12 +701,6 @@ class Tier:
         except DeviceError as err:
             self._fault("delete", err)
             return False
-
-    def engine_fingerprint(self, stored: bytes) -> bytes | None:
-        """The engine fingerprint behind the fingerprint an object of this tier is stored
-        under; None when this tier has a ``layout`` of its own and no engine of this
-        process used that fingerprint (it cannot be told from the digest)."""
-        return self._engine_fingerprints.get(bytes(stored)) if self.layout else bytes(stored)
 
     def _stored_fingerprint(self, fingerprint: bytes) -> bytes:
         """The fingerprint this tier stores ``fingerprint``'s objects under (see ``layout``)."""
