@@ -26,9 +26,10 @@ print as the CLI's ``--json``, in one JSON form.
 
 from __future__ import annotations
 
+import itertools
 import re
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -46,8 +47,9 @@ _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86_400, "w": 604_800}
 LAYOUT_ID_HEX_MIN = 6
 """The shortest layout ID accepted: fewer hex digits would match layouts by accident."""
 _LAYOUT_ID = re.compile(f"[0-9a-f]{{{LAYOUT_ID_HEX_MIN},{2 * KEY_BYTES}}}")
-DELETE_BATCH_KEYS = 4096
-"""Keys removed per `TieredStore.delete` call: a purge of millions yields between batches."""
+STEP_KEYS = 256
+"""Keys examined or removed between two progress reports: a file tier's delete is a manifest
+transaction and an unlink per key, so a step stays well inside a client's request timeout."""
 
 
 def parse_duration(text: str) -> float:
@@ -187,18 +189,20 @@ def purge(
 ) -> PurgeReport:
     """Select what ``selection`` names on ``tiers`` and, with ``apply``, remove it from
     every one of them; returns what was (or would be) removed, per tier. ``progress``
-    is told the steps done (a tier searched, a batch removed): a gateway keeps its
-    client's request timeout from firing on a long purge.
+    is told the steps done (`STEP_KEYS` keys examined or removed), so that a gateway
+    keeps its client's request timeout from firing on a long purge.
 
     A tier that cannot be searched (its index or device failing) is reported with its
     error and left alone; the others are still purged.
     """
+    steps = itertools.count(1)
     tell = progress or (lambda done: None)
+
+    def step() -> None:
+        tell(next(steps))
+
     now_ns = time.time_ns() if now_ns is None else now_ns
-    found: dict[str, _Found] = {}
-    for tier in tiers:
-        found[tier.name] = _search(tier, selection, now_ns)
-        tell(len(found))
+    found = {tier.name: _search(tier, selection, now_ns, step) for tier in tiers}
     selected = set().union(*(f.matched for f in found.values())) if found else set()
     if selection.older_than_s is not None:
         selected -= _used_since(tiers, found, selected)
@@ -211,33 +215,36 @@ def purge(
         notes,
     )
     if apply:
-        for start in range(0, len(ordered), DELETE_BATCH_KEYS):
-            batch = ordered[start : start + DELETE_BATCH_KEYS]
+        for start in range(0, len(ordered), STEP_KEYS):
+            batch = ordered[start : start + STEP_KEYS]
             for tier in tiers:
                 if not found[tier.name].error:
                     tier.delete(batch)
-            tell(len(tiers) + start // DELETE_BATCH_KEYS + 1)
+                step()
     return report
 
 
-def _search(tier: Tier, selection: PurgeFilter, now_ns: int) -> _Found:
+def _search(tier: Tier, selection: PurgeFilter, now_ns: int, step: Callable[[], None]) -> _Found:
     try:
         stamped = tier.index.stamped()
+        step()
         if selection.older_than_s is not None:
             cutoff_ns = now_ns - int(selection.older_than_s * 1e9)
             return _Found({bytes(entry.key) for entry, stamp in stamped if stamp < cutoff_ns}, set())
-        return _by_header(tier, selection, (entry.key for entry, _ in stamped))
+        return _by_header(tier, selection, [entry.key for entry, _ in stamped], step)
     except DeviceError as err:
         return _Found(set(), set(), str(err))
 
 
-def _by_header(tier: Tier, selection: PurgeFilter, keys: Iterable[bytes]) -> _Found:
-    """Keys whose object header matches a namespace or layout selection."""
+def _by_header(tier: Tier, selection: PurgeFilter, keys: Sequence[bytes], step: Callable[[], None]) -> _Found:
+    """Keys whose object header matches a namespace or layout selection (a header read each)."""
     want_tag = None if selection.namespace is None else namespace_tag(selection.namespace)
     matched: set[bytes] = set()
     unknown: set[bytes] = set()
     head = memoryview(bytearray(HEADER_BYTES))
-    for key in keys:
+    for done, key in enumerate(keys, 1):
+        if done % STEP_KEYS == 0:
+            step()
         header = _header(tier, key, head)
         if header is None:
             continue

@@ -16,7 +16,7 @@ from kvharbor.cache import index as index_module
 from kvharbor.cache.assembly import open_store, open_tier
 from kvharbor.cache.format import CorruptObject, encode, parse_header
 from kvharbor.cache.keys import NAMESPACE_UNKNOWN, LayoutFingerprint, namespace_tag, short_digest
-from kvharbor.cache.purge import PurgeFilter, PurgeReport, TierPurge, parse_duration, purge
+from kvharbor.cache.purge import STEP_KEYS, PurgeFilter, PurgeReport, TierPurge, parse_duration, purge
 from kvharbor.cache.store import TieredStore
 from kvharbor.cli import main
 from kvharbor.config import load_config
@@ -246,3 +246,22 @@ def test_a_card_tier_is_purged_by_its_header_tags_or_by_the_same_key_elsewhere_a
         assert "tier local: removed 0 values" in out
     finally:
         holder.close()
+
+
+def test_a_long_purge_reports_progress_every_few_hundred_keys(tmp_path: Path) -> None:
+    # What keeps a client's request_timeout_ms from firing while the gateway purges.
+    store = two_tier_store(tmp_path)
+    try:
+        keys = [i.to_bytes(16, "little") for i in range(3 * STEP_KEYS)]
+        for key in keys:
+            assert store.put(key, ALPHA.digest(), b"v")
+        steps: list[int] = []
+        report = purge(
+            store.tiers, PurgeFilter.parse_layout(short_digest(ALPHA.digest())), True, "test", progress=steps.append
+        )
+        assert report.objects == 2 * len(keys) and store.contains(keys) == [False] * len(keys)
+        assert steps == list(range(1, len(steps) + 1))
+        # Per tier: its index read, a step per STEP_KEYS headers read, one per batch removed.
+        assert len(steps) >= 2 * (1 + 3 + 3)
+    finally:
+        store.close()
