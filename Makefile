@@ -1,5 +1,5 @@
 # The two commands of the README's quick start, and the checks CI runs.
-.PHONY: setup demo test lint bench
+.PHONY: setup demo test lint wheel bench
 
 setup:
 	bash scripts/setup.sh
@@ -7,10 +7,16 @@ setup:
 demo: setup
 	.venv/bin/python -m kvharbor demo
 
-# Lint and types first: they take seconds and fail fast. Then every test; pytest
-# exits non-zero on any failure and on "no tests collected" (exit code 5).
-test: setup lint
-	.venv/bin/python -m pytest -q -ra --durations=15
+# Lint and types first: they take seconds and fail fast. Then the wheel (dist/, what
+# users install), then every test, one of which installs that wheel into a fresh venv;
+# pytest exits non-zero on any failure and on "no tests collected" (exit code 5).
+test: setup lint wheel
+	KVHARBOR_WHEEL="$$(ls dist/kvharbor-*.whl)" .venv/bin/python -m pytest -q -ra --durations=15
+
+# The wheel of this tree, without its dependencies: pip install 'dist/kvharbor-<version>-py3-none-any.whl[vllm]'.
+wheel:
+	rm -rf dist
+	.venv/bin/pip wheel --no-deps -q . -w dist/
 
 lint:
 	.venv/bin/ruff check kvharbor tests bench

@@ -11,7 +11,15 @@ Header, little-endian, `HEADER_BYTES` long::
     key 16 B | fingerprint digest 16 B
     fragment index u32 | fragment count u32
     raw length u64 | stored length u64 | payload length u64
-    payload checksum u64 (xxh3-64) | 8 reserved bytes | header checksum u64 (xxh3-64)
+    payload checksum u64 (xxh3-64) | namespace tag u64 | header checksum u64 (xxh3-64)
+
+The namespace tag (`kvharbor.cache.keys.namespace_tag` of ``engine.key_namespace``)
+took the place of 8 reserved bytes that were always written as zero, so the format
+version did not change: a release before it reads the tag as padding (the header
+checksum covers those bytes either way), and an object it wrote reads here as tag 0,
+`NAMESPACE_UNKNOWN` (``kvharbor purge --namespace`` counts such objects apart and keeps
+them). Bumping the version instead would have changed every key (it is part of every
+fingerprint) and emptied every cache on upgrade, for a field nothing reads to serve.
 
 Why xxh3-64 and not the BLAKE2b of the keys: the checksum runs over every byte
 read, at tens of GB/s, where BLAKE2b would be the bottleneck (~1 GB/s). It
@@ -41,11 +49,11 @@ import lz4.frame
 import xxhash
 import zstandard
 
-from kvharbor.cache.keys import FORMAT_VERSION, KEY_BYTES, ChunkKey, check_key, fragment_key
+from kvharbor.cache.keys import FORMAT_VERSION, KEY_BYTES, NAMESPACE_UNKNOWN, ChunkKey, check_key, fragment_key
 from kvharbor.hal.base import Buffer
 
 MAGIC = b"KVHO"
-_HEADER = struct.Struct("<4sHBB16s16sIIQQQQ8xQ")
+_HEADER = struct.Struct("<4sHBB16s16sIIQQQQQQ")
 HEADER_BYTES = _HEADER.size
 _CHECKED_PREFIX = HEADER_BYTES - 8  # Bytes the header checksum covers.
 FRAGMENTS_MAX = 1 << 16
@@ -87,6 +95,8 @@ class Header:
     stored_length: int
     payload_length: int
     payload_checksum: int
+    namespace: int = NAMESPACE_UNKNOWN
+    """The writer's namespace tag (`kvharbor.cache.keys.namespace_tag`), or `NAMESPACE_UNKNOWN`."""
 
     def pack(self) -> bytes:
         prefix = _HEADER.pack(
@@ -102,6 +112,7 @@ class Header:
             self.stored_length,
             self.payload_length,
             self.payload_checksum,
+            self.namespace,
             0,
         )[:_CHECKED_PREFIX]
         return prefix + xxhash.xxh3_64_intdigest(prefix).to_bytes(8, "little")
@@ -205,6 +216,7 @@ def encode(
     codec: Codec = Codec.NONE,
     max_object_bytes: int | None = None,
     value_checksum: int | None = None,
+    namespace: int = NAMESPACE_UNKNOWN,
 ) -> list[EncodedPart]:
     """The device writes that store ``value``; payloads are views, not copies (codec none).
 
@@ -212,7 +224,8 @@ def encode(
     value that does not fit is split into fragments. ``value_checksum`` is
     `checksum` of ``value`` when the caller has it already (its writer took it
     while the bytes were in its cache); it is used when the value is stored as
-    it is, in one part.
+    it is, in one part. ``namespace`` is the writer's namespace tag, recorded in every
+    part's header.
     """
     check_key(key)
     check_key(fingerprint)
@@ -239,6 +252,7 @@ def encode(
             stored_length=stored.nbytes,
             payload_length=payload.nbytes,
             payload_checksum=checksum(payload) if known is None else known,
+            namespace=namespace,
         )
         device_key = ChunkKey(bytes(key)) if index == 0 else fragment_key(key, index)
         parts.append(EncodedPart(device_key, header.pack(), payload))
@@ -253,7 +267,7 @@ def parse_header(data: Buffer) -> Header:
     fields = _HEADER.unpack_from(view)
     if fields[0] != MAGIC:
         raise CorruptObject(f"bad magic {fields[0]!r}")
-    if checksum(view[:_CHECKED_PREFIX]) != fields[12]:
+    if checksum(view[:_CHECKED_PREFIX]) != fields[13]:
         raise CorruptObject("header checksum mismatch")
     if fields[1] != FORMAT_VERSION:
         raise CorruptObject(f"format version {fields[1]}, this release reads {FORMAT_VERSION}")
@@ -272,6 +286,7 @@ def parse_header(data: Buffer) -> Header:
         stored_length=fields[9],
         payload_length=fields[10],
         payload_checksum=fields[11],
+        namespace=fields[12],
     )
 
 

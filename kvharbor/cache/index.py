@@ -14,6 +14,7 @@ writers can never both see room that only one of them has.
 from __future__ import annotations
 
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -80,6 +81,11 @@ class TierIndex(ABC):
         """Up to ``limit`` entries, least recently used first."""
 
     @abstractmethod
+    def stamped(self) -> list[tuple[Entry, int]]:
+        """Every entry with when it was last stored or used in this index, in wall-clock
+        nanoseconds (`kvharbor purge --older-than`); a snapshot, in no set order."""
+
+    @abstractmethod
     def rebuild(self, entries: Iterable[Entry]) -> None:
         """Replace the whole index (recovery from a device scan)."""
 
@@ -99,9 +105,17 @@ _OLDER = 2
 """The next less recently used record, or `_LRU_END`."""
 _NEWER = 3
 """The next more recently used record, or `_LRU_END`."""
-_FIELDS = "QIII"
-"""64 bits for the size, 32 for the fragment count (at most `FRAGMENTS_MAX`) and the links
-(record ids fit in 31 bits)."""
+_USED_S = 4
+"""When the entry was last stored or used, in whole wall-clock seconds (fits 32 bits until
+2106); an entry rebuilt from a device scan is stamped at the rebuild: used then at the latest."""
+_FIELDS = "QIIII"
+"""64 bits for the size, 32 for the fragment count (at most `FRAGMENTS_MAX`), the links
+(record ids fit in 31 bits) and the last use."""
+
+
+def _now_s() -> int:
+    return int(time.time())
+
 
 _LRU_END = (1 << 32) - 1
 """Ends the LRU list: never a record id, and it fits an unsigned 64-bit field."""
@@ -155,17 +169,22 @@ class MemoryIndex(TierIndex):
                 self._unlink(own)
             table.set(own, _NBYTES, entry.nbytes)
             table.set(own, _PARTS, entry.parts)
+            table.set(own, _USED_S, _now_s())
             self._link_newest(own)
             self._used_bytes = used + entry.nbytes
         assert 0 < self._used_bytes <= budget_bytes
         return victims
 
     def touch(self, keys: Sequence[bytes]) -> None:
+        now_s = _now_s()
         with self._lock:
-            find = self._table.find
+            table = self._table
             for key in keys:
-                record = find(key)
-                if record != NO_RECORD and record != self._newest:
+                record = table.find(key)
+                if record == NO_RECORD:
+                    continue
+                table.set(record, _USED_S, now_s)
+                if record != self._newest:
                     self._unlink(record)
                     self._link_newest(record)
 
@@ -205,7 +224,13 @@ class MemoryIndex(TierIndex):
                 record = self._table.get(record, _NEWER)
             return out
 
+    def stamped(self) -> list[tuple[Entry, int]]:
+        with self._lock:
+            table = self._table
+            return [(self._entry(record), table.get(record, _USED_S) * 1_000_000_000) for _, record in table]
+
     def rebuild(self, entries: Iterable[Entry]) -> None:
+        now_s = _now_s()
         with self._lock:
             # A fresh table, not emptied arrays: the memory of a larger past goes back.
             self._table = KeyTable(_FIELDS)
@@ -221,6 +246,7 @@ class MemoryIndex(TierIndex):
                     self._used_bytes -= self._table.get(record, _NBYTES)
                 self._table.set(record, _NBYTES, entry.nbytes)
                 self._table.set(record, _PARTS, entry.parts)
+                self._table.set(record, _USED_S, now_s)
                 self._used_bytes += entry.nbytes
 
     # -- internals, under the lock -------------------------------------------
@@ -234,6 +260,7 @@ class MemoryIndex(TierIndex):
         record = self._table.insert(entry.key)
         self._table.set(record, _NBYTES, entry.nbytes)
         self._table.set(record, _PARTS, entry.parts)
+        self._table.set(record, _USED_S, _now_s())
         self._link_oldest(record)
         self._used_bytes += entry.nbytes
 

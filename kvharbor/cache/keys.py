@@ -49,6 +49,7 @@ _PERSON_CHUNK = b"kvharbor.chunk1"
 _PERSON_LAYOUT = b"kvharbor.layout1"
 _PERSON_FRAGMENT = b"kvharbor.frag1"
 _PERSON_TIER_LAYOUT = b"kvharbor.tier1"
+_PERSON_NAMESPACE = b"kvharbor.ns1"
 
 TOKEN_ID_MAX = 2**32 - 1
 """Token ids are hashed as little-endian uint32; larger ids are refused."""
@@ -181,8 +182,35 @@ class LayoutFingerprint:
         return (
             f"{self.model_id} dtype={self.kv_dtype} tp={self.tp_rank}/{self.tp_size} "
             f"pp={self.pp_rank} chunk={self.chunk_size} ns={self.key_namespace} "
-            f"#{self.digest().hex()[:12]}"
+            f"#{short_digest(self.digest())}"
         )
+
+
+NAMESPACE_UNKNOWN = 0
+"""The namespace tag of an object whose header does not record one (stored by a release
+before tags, or by a writer that did not say)."""
+
+
+def namespace_tag(namespace: str) -> int:
+    """The 64-bit tag that stands for ``engine.key_namespace`` in every object header.
+
+    A digest, not the name: headers are fixed-size, and the tag only has to tell
+    namespaces apart for `kvharbor purge --namespace` (64 bits: no two namespaces of
+    one cache collide in practice; a collision would purge too much, never read a
+    wrong byte). Never `NAMESPACE_UNKNOWN`.
+    """
+    raw = blake2b(namespace.encode("utf-8"), digest_size=8, person=_PERSON_NAMESPACE).digest()
+    return int.from_bytes(raw, "little") or 1
+
+
+SHORT_DIGEST_HEX = 12
+"""Hex digits of `short_digest`."""
+
+
+def short_digest(fingerprint: bytes) -> str:
+    """The short form of a fingerprint digest that logs, status and ``--layout`` use:
+    its first `SHORT_DIGEST_HEX` hex digits (as in `LayoutFingerprint.short`)."""
+    return fingerprint.hex()[:SHORT_DIGEST_HEX]
 
 
 def _salt_bytes(salt: str | None) -> bytes:

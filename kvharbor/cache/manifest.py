@@ -199,6 +199,13 @@ class ManifestIndex(TierIndex):
             ).fetchall()
         return [Entry(key, nbytes, parts) for key, nbytes, parts in rows]
 
+    def stamped(self) -> list[tuple[Entry, int]]:
+        """See `TierIndex.stamped`: ``last_access`` is wall-clock nanoseconds (the hybrid
+        clock runs ahead of it by at most one per stamp)."""
+        with self._read() as db:
+            rows = db.execute("SELECT key, nbytes, parts, last_access FROM objects").fetchall()
+        return [(Entry(key, nbytes, parts), stamp) for key, nbytes, parts, stamp in rows]
+
     def most_recent(self, limit: int, older_than: int | None = None) -> tuple[list[Entry], int | None]:
         """Up to ``limit`` entries, most recently used first, each used before ``older_than``
         (an access stamp; None: from the newest), and the cursor to pass for the next

@@ -26,6 +26,7 @@ from functools import partial
 from typing import Literal
 
 from kvharbor.cache.index import Entry
+from kvharbor.cache.namespaces import NamespaceTags
 from kvharbor.cache.tier import BufferSource, Reservation, SharedHit, Tier, TierStatus, new_buffer
 from kvharbor.hal.base import Buffer
 from kvharbor.telemetry.log import OnceLog, get_logger
@@ -72,6 +73,10 @@ class TieredStore:
         self.write_policy = write_policy
         self.hits = hits if hits is not None else HitMetrics.standalone()
         self.skipped = dict(skipped or {})
+        self.namespaces = NamespaceTags()
+        """One for all tiers: a copy between tiers records what its writer said."""
+        for tier in self.tiers:
+            tier.namespaces = self.namespaces
         self._closed = False
         self._close_lock = threading.Lock()
         self._once = OnceLog(_log)

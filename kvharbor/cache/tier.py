@@ -30,6 +30,7 @@ from kvharbor.cache.format import (
 )
 from kvharbor.cache.index import Entry, OverBudget, TierIndex
 from kvharbor.cache.keys import ChunkKey, fragment_key, tier_fingerprint
+from kvharbor.cache.namespaces import NamespaceTags
 from kvharbor.cache.probe import ProbeFailed, probe_device
 from kvharbor.hal.base import (
     Buffer,
@@ -163,6 +164,9 @@ class Tier:
         self._engine_fingerprints: dict[bytes, bytes] = {}
         self._watched_health = HealthState.OK
         """The health `watch_health` last said (a tier starts ok: it passed its probe)."""
+        self.namespaces = NamespaceTags()
+        """Whose namespace each layout's objects are, for their headers; a store shares
+        one among its tiers (`kvharbor.cache.namespaces`)."""
 
     @property
     def counters(self) -> TierCounts:
@@ -352,12 +356,14 @@ class Tier:
         got = self.device.peek(key, head)
         if got is None:
             return None
-        stored = parse_header(head[:got]).fingerprint
+        header = parse_header(head[:got])
+        stored = header.fingerprint
         # The tiers above store under the engine's fingerprint; one this process never
         # saw (stored before a restart) cannot be told from this tier's own: not copied.
-        fingerprint = self._engine_fingerprints.get(stored) if self.layout else stored
+        fingerprint = self.engine_fingerprint(stored)
         if fingerprint is None:
             return None
+        self.namespaces.learn(fingerprint, header.namespace)  # So that the copy records it too.
         value = decode(key, stored, self._read_part_fn(key, new_buffer))
         return None if value is None else (fingerprint, value)
 
@@ -389,12 +395,14 @@ class Tier:
                 return False
             with self.metrics.duration[TierOp.PUT].time():
                 stored = self._stored_fingerprint(fingerprint)
-                return self._write_encoded(key, stored, value, pinned, on_evict, behind)
+                namespace = self.namespaces.tag(fingerprint)
+                return self._write_encoded(key, stored, namespace, value, pinned, on_evict, behind)
 
     def _write_encoded(
         self,
         key: bytes,
         fingerprint: bytes,
+        namespace: int,
         value: Buffer,
         pinned: frozenset[bytes],
         on_evict: Callable[[Sequence[Entry]], None] | None,
@@ -404,7 +412,7 @@ class Tier:
         if behind and self.contains([key])[0]:
             return False
         try:
-            parts = encode(key, fingerprint, value, self.codec, self.device.max_value_bytes)
+            parts = encode(key, fingerprint, value, self.codec, self.device.max_value_bytes, namespace=namespace)
         except ValueError as err:
             return self._unstorable(err)
         entry = Entry(bytes(key), sum(p.nbytes for p in parts), len(parts))
@@ -482,7 +490,15 @@ class Tier:
         key, fingerprint, span = reservation.key, reservation.fingerprint, reservation.span
         with reservation.attempt, self.metrics.duration[TierOp.PUT].time():
             stored = self._stored_fingerprint(fingerprint)
-            (part,) = encode(key, stored, reservation.payload, Codec.NONE, device.max_value_bytes, value_checksum)
+            (part,) = encode(
+                key,
+                stored,
+                reservation.payload,
+                Codec.NONE,
+                device.max_value_bytes,
+                value_checksum,
+                self.namespaces.tag(fingerprint),
+            )
             entry = Entry(key, part.nbytes, 1)
             assert entry.nbytes == span.length, (entry.nbytes, span.length)
             if not self._admit(entry, pinned | {key}, on_evict):
@@ -552,6 +568,12 @@ class Tier:
         return self.breaker.state
 
     # -- state -------------------------------------------------------------
+
+    def engine_fingerprint(self, stored: bytes) -> bytes | None:
+        """The engine fingerprint behind the fingerprint an object of this tier is stored
+        under; None when this tier has a ``layout`` of its own and no engine of this
+        process used that fingerprint (it cannot be told from the digest)."""
+        return self._engine_fingerprints.get(bytes(stored)) if self.layout else bytes(stored)
 
     def usage(self) -> tuple[int, int]:
         """Bytes used and objects stored, from the index alone (no device command);

@@ -48,6 +48,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "kvharbor.cli.card",
     "kvharbor.cli.status",
     "kvharbor.cli.doctor",
+    "kvharbor.cli.purge",
 )
 """Modules that each register one command group through ``add_parser(subparsers)``."""
 

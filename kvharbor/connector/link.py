@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
+from kvharbor.cache.keys import NAMESPACE_UNKNOWN
 from kvharbor.config import Config
 from kvharbor.gateway import embedded
 from kvharbor.gateway.client import GatewayClient, GatewayError, GatewayRefused, GetBatch
@@ -276,8 +277,10 @@ class CacheLink:
         settle: Callable[[], None] | None = None,
         on_filled: Callable[[], None] | None = None,
         in_time: Callable[[], bool] | None = None,
+        namespace: int = NAMESPACE_UNKNOWN,
     ) -> int:
         """Store values of the given (key, size): ``fill(i, view)`` writes value i.
+        ``namespace``: the writer's `kvharbor.cache.keys.namespace_tag`, kept in the headers.
 
         Returns how many the gateway stored; values already stored are skipped
         without being filled. Each value is marked complete (`PutBatch.mark`) as
@@ -294,7 +297,7 @@ class CacheLink:
         if client is None or not items:
             return 0
         try:
-            batch = client.prepare_put(fingerprint, items)
+            batch = client.prepare_put(fingerprint, items, namespace)
             lent = []
             for i, view in enumerate(batch.views):
                 if view is None:

@@ -49,7 +49,8 @@ from typing import TypeVar
 
 from kvharbor import __version__
 from kvharbor.cache.format import copy_with_checksum
-from kvharbor.cache.keys import LayoutFingerprint
+from kvharbor.cache.keys import NAMESPACE_UNKNOWN, LayoutFingerprint
+from kvharbor.cache.purge import PurgeFilter, PurgeReport
 from kvharbor.config import GatewaySection
 from kvharbor.gateway import protocol as p
 from kvharbor.gateway.access import denied_hint, peer_of
@@ -291,8 +292,11 @@ class GatewayClient:
         for start in range(0, len(keys), p.KEYS_PER_MESSAGE_MAX):
             self._call(p.Drop(list(keys[start : start + p.KEYS_PER_MESSAGE_MAX])), p.Dropped)
 
-    def prepare_put(self, fingerprint: bytes, items: Sequence[tuple[bytes, int]]) -> PutBatch:
-        ready = self._call(p.PutPrepare(fingerprint, list(items)), p.PutReady)
+    def prepare_put(
+        self, fingerprint: bytes, items: Sequence[tuple[bytes, int]], namespace: int = NAMESPACE_UNKNOWN
+    ) -> PutBatch:
+        """``namespace``: the writer's `kvharbor.cache.keys.namespace_tag`, recorded with the values."""
+        ready = self._call(p.PutPrepare(fingerprint, list(items), namespace), p.PutReady)
         if len(ready.offsets) != len(items):
             raise self._fail(f"PUT_READY has {len(ready.offsets)} offsets for {len(items)} values")
         views: list[memoryview | None] = []
@@ -331,6 +335,10 @@ class GatewayClient:
 
     def release(self, batch: GetBatch) -> None:
         self._call(p.Release(batch.batch), p.Released)
+
+    def purge(self, selection: PurgeFilter, apply: bool) -> PurgeReport:
+        """Empty what ``selection`` names from every tier (``apply``), or say what would go."""
+        return self._call(p.Purge(selection, apply), p.Purged).report
 
     def status(self) -> GatewayStatus:
         return self._call(p.Status(), p.StatusOk).status

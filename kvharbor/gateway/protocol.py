@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import enum
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple, TypeVar
 
-from kvharbor.cache.keys import KEY_BYTES
+from kvharbor.cache.keys import KEY_BYTES, NAMESPACE_UNKNOWN
+from kvharbor.cache.purge import PurgeFilter, PurgeReport
 from kvharbor.config import ConfigDigest
 from kvharbor.gateway.status import GatewayStatus, StatusFormError, peek_release
 
@@ -29,7 +30,8 @@ PROTOCOL_VERSION = 8
 the writer's payload checksums. 5: HELLO carries the client's `ConfigDigest`. 6: PUT_READY
 lends an area for completion marks. 7: LOOKUP checks value sizes and answers which hits
 are resident; VERIFY and DROP. 8: STATUS_OK carries a typed `GatewayStatus`; HELLO
-registers the client's layouts; STATUS and LOCATE need no HELLO."""
+registers the client's layouts; STATUS and LOCATE need no HELLO; PUT_PREPARE carries the
+writer's namespace tag; PURGE."""
 
 FRAME = struct.Struct("<IHHQ")
 FRAME_BYTES = FRAME.size
@@ -66,6 +68,8 @@ class MessageType(enum.IntEnum):
     RELEASED = 33
     STATUS = 40
     STATUS_OK = 41
+    PURGE = 50
+    PURGED = 51
 
 
 class ErrorCode(enum.IntEnum):
@@ -504,6 +508,8 @@ class PutPrepare(Message):
     fingerprint: bytes
     items: list[tuple[bytes, int]]
     """(key, value length in bytes)."""
+    namespace: int = NAMESPACE_UNKNOWN
+    """The writer's `kvharbor.cache.keys.namespace_tag`, recorded in the stored headers."""
 
     def body(self) -> bytes:
         # The fingerprint is not one of the batch's keys: a full batch has
@@ -511,19 +517,20 @@ class PutPrepare(Message):
         _check_count(len(self.items))
         return (
             _check_key(self.fingerprint)
+            + _U64.pack(self.namespace)
             + _U32.pack(len(self.items))
             + b"".join(_KEY_SIZE.pack(_check_key(k), n) for k, n in self.items)
         )
 
     @classmethod
     def parse(cls, reader: _Reader) -> PutPrepare:
-        fingerprint = reader.key()
+        fingerprint, namespace = reader.key(), reader.unpack(_U64)[0]
         n = reader.entries(_KEY_SIZE.size)
         items = []
         for _ in range(n):
             key, size = reader.unpack(_KEY_SIZE)
             items.append((bytes(key), int(size)))
-        return cls(fingerprint, items)
+        return cls(fingerprint, items, namespace)
 
 
 SKIP = 2**64 - 1
@@ -739,11 +746,64 @@ class StatusOk(Message):
             raise ProtocolError(ErrorCode.MALFORMED, str(err)) from None
 
 
+@dataclass(frozen=True, slots=True)
+class Purge(Message):
+    """Empty the part of the cache ``selection`` names, from every tier; with ``apply``
+    False only say what would go. Answered `Purged`."""
+
+    TYPE: ClassVar[MessageType] = MessageType.PURGE
+    selection: PurgeFilter
+    apply: bool
+
+    def body(self) -> bytes:
+        return _U32.pack(int(self.apply)) + _json(self.selection.to_json())
+
+    @classmethod
+    def parse(cls, reader: _Reader) -> Purge:
+        apply = reader.u32()
+        if apply not in (0, 1):
+            raise ProtocolError(ErrorCode.MALFORMED, f"PURGE apply flag {apply} is neither 0 nor 1")
+        return cls(_parse_json(reader, "PURGE", PurgeFilter.from_json), bool(apply))
+
+
+@dataclass(frozen=True, slots=True)
+class Purged(Message):
+    """What a `Purge` removed (or would remove), per tier."""
+
+    TYPE: ClassVar[MessageType] = MessageType.PURGED
+    report: PurgeReport
+
+    def body(self) -> bytes:
+        return _json(self.report.to_json())
+
+    @classmethod
+    def parse(cls, reader: _Reader) -> Purged:
+        return cls(_parse_json(reader, "PURGED", PurgeReport.from_json))
+
+
+_Parsed = TypeVar("_Parsed")
+
+
+def _json(document: str) -> bytes:
+    raw = document.encode()
+    return _U32.pack(len(raw)) + raw
+
+
+def _parse_json(reader: _Reader, what: str, parse: Callable[[str], _Parsed]) -> _Parsed:
+    """A length-prefixed JSON document parsed into its type; any mismatch is MALFORMED."""
+    raw = reader.take(reader.u32())
+    try:
+        return parse(bytes(raw).decode("utf-8"))
+    except (ValueError, RecursionError) as err:  # pydantic's ValidationError is a ValueError.
+        raise ProtocolError(ErrorCode.MALFORMED, f"{what} body is not valid: {err}") from None
+
+
 _TYPES: dict[int, type[Message]] = {
     cls.TYPE: cls
     for cls in (
         Hello, HelloOk, Error, Progress, Lookup, LookupOk, Locate, LocateOk, Verify, VerifyOk, Drop, Dropped,
-        PutPrepare, PutReady, PutCommit, PutDone, Get, GetReady, Release, Released, Status, StatusOk,
+        PutPrepare, PutReady, PutCommit, PutDone, Get, GetReady, Release, Released, Status, StatusOk, Purge,
+        Purged,
     )
 }  # fmt: skip
 

@@ -31,6 +31,7 @@ from pathlib import Path
 from kvharbor import __version__
 from kvharbor.cache.assembly import device_limit, open_store
 from kvharbor.cache.keys import LayoutFingerprint
+from kvharbor.cache.purge import PurgeFilter, PurgeReport, purge
 from kvharbor.cache.refill import RamRefill
 from kvharbor.cache.store import TieredStore
 from kvharbor.config import MIB, Config
@@ -632,7 +633,23 @@ class Gateway:
                 return p.StatusOk(self.status())
             case p.Locate(keys=keys):
                 return p.LocateOk(self._locate(keys))
+            case p.Purge(selection=selection, apply=apply):
+                return p.Purged(self._purge(selection, apply, progress))
         raise p.ProtocolError(p.ErrorCode.MALFORMED, f"{type(message).__name__} is not a request")
+
+    def _purge(self, selection: PurgeFilter, apply: bool, progress: _Progress) -> PurgeReport:
+        """`kvharbor purge` through this gateway: every tier, its RAM tiers included."""
+        assert self.store is not None
+        report = purge(self.store.tiers, selection, apply, f"gateway pid {os.getpid()}", progress=progress)
+        if apply:
+            _log.info(
+                "kvharbor: purged %s: %d values, %d bytes (%s)",
+                selection.describe(),
+                report.objects,
+                report.nbytes,
+                ", ".join(f"{t.tier} {t.objects}" for t in report.tiers),
+            )
+        return report
 
     def _hello(self, hello: p.Hello) -> p.Message:
         assert self.segment is not None

@@ -131,6 +131,7 @@ class Transfers:
                     p.ErrorCode.TOO_LARGE,
                     f"value of {size} bytes is outside 1..{self._value_max} (storage.value_mb_max)",
                 )
+        self.store.namespaces.learn(message.fingerprint, message.namespace)
         batch = Batch("put", fingerprint=message.fingerprint)
         deadline = self._deadline()
         keys = [key for key, _ in message.items]

@@ -34,6 +34,8 @@ from kvharbor.gateway.wire import FrameReader, PeerClosed
 pytestmark = pytest.mark.timeout(120)
 
 U32 = struct.Struct("<I")
+U64 = struct.Struct("<Q")
+TWO_SELECTIONS = b'{"namespace": "a", "layout": "abcdef"}'
 
 
 class RawPeer:
@@ -97,7 +99,16 @@ def test_each_bad_message_gets_its_code_and_the_gateway_serves_on(gateway: Gatew
             "a reply as request": (MessageType.LOOKUP_OK, U32.pack(3), ErrorCode.MALFORMED),
             "key of 15 bytes": (MessageType.LOOKUP, lookup_body(2, 30), ErrorCode.BAD_KEY),
             "key of 17 bytes": (MessageType.GET, FINGERPRINT + U32.pack(1) + b"x" * 17, ErrorCode.BAD_KEY),
-            "put item short": (MessageType.PUT_PREPARE, FINGERPRINT + U32.pack(1) + b"x" * 20, ErrorCode.BAD_KEY),
+            "put item short": (
+                MessageType.PUT_PREPARE,
+                FINGERPRINT + U64.pack(0) + U32.pack(1) + b"x" * 20,  # Fingerprint, namespace tag, one item.
+                ErrorCode.BAD_KEY,
+            ),
+            "purge of two selections": (
+                MessageType.PURGE,
+                U32.pack(1) + U32.pack(len(TWO_SELECTIONS)) + TWO_SELECTIONS,
+                ErrorCode.MALFORMED,
+            ),
             "too many keys": (MessageType.LOOKUP, lookup_body(p.KEYS_PER_MESSAGE_MAX + 1, 0), ErrorCode.TOO_LARGE),
             "value too large": (
                 MessageType.PUT_PREPARE,
@@ -142,7 +153,7 @@ def test_each_bad_message_gets_its_code_and_the_gateway_serves_on(gateway: Gatew
         rejected = bystander.status().rejected
         assert rejected == {
             "NOT_READY": 1,
-            "MALFORMED": 7,
+            "MALFORMED": 8,
             "BAD_KEY": 3,
             "TOO_LARGE": 4,
             "UNKNOWN_BATCH": 3,

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from kvharbor.cache.purge import PurgeFilter
 from kvharbor.config import Config
 from kvharbor.connector.link import CacheLink, RankSwitch
 from kvharbor.connector.vllm.metadata import ChunkTransfer, KVHarborMetadata
@@ -184,3 +185,17 @@ def test_the_report_that_says_no_save_is_pending_counts_every_commit(real_gatewa
         assert first["stored_chunks"] == 2, "a report without pending saves has counted them"
     assert first["stored_chunks"] + last["stored_chunks"] == 2
     assert first["saves"] + last["saves"] == 1
+
+
+def test_what_a_worker_saves_records_its_namespace_for_purge(real_gateway: RealGateway) -> None:
+    saved(real_gateway, caches(seed=6))
+    client = real_gateway.client()
+    try:
+        # The stand-in engine's layout has the default engine.key_namespace.
+        ours = client.purge(PurgeFilter(namespace="default"), apply=False)
+        other = client.purge(PurgeFilter(namespace="another"), apply=False)
+    finally:
+        client.close()
+    assert ours.objects == 2 and not ours.applied
+    assert other.objects == 0 and sum(t.namespace_unknown for t in other.tiers) == 0
+    assert real_gateway.holds([K0, K1]) == 2  # Dry runs: nothing removed.

@@ -4,7 +4,6 @@ a card's readings are reused within their interval (no device command per scrape
 from __future__ import annotations
 
 import functools
-import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,22 +14,8 @@ from prometheus_client.core import Metric
 from kvharbor.hal.base import DeviceError
 from kvharbor.telemetry.collectors import Reused
 from kvharbor.telemetry.engine_stats import ENGINE_STATS, Merge
+from tests.support.metrics_docs import Described, documented
 from tests.support.real_gateway import RealGateway
-
-DOCS = Path(__file__).parents[2] / "docs" / "metrics.md"
-ROW = re.compile(r"^\| `((?:vllm:)?kvharbor_[a-z_]+)` \| (counter|gauge|histogram) \|\s*([a-z_, ]*?)\s*\|")
-
-Described = dict[str, tuple[str, frozenset[str]]]
-"""Metric name -> (type, label names)."""
-
-
-def documented(prefix: str) -> Described:
-    rows = [ROW.match(line) for line in DOCS.read_text().splitlines()]
-    return {
-        m[1]: (m[2], frozenset(label.strip() for label in m[3].split(",") if label.strip()))
-        for m in rows
-        if m is not None and m[1].startswith(prefix)
-    }
 
 
 def registered(families: list[Metric]) -> Described:

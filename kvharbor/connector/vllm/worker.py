@@ -68,6 +68,7 @@ from dataclasses import dataclass
 import torch
 
 from kvharbor.cache.bandwidth import keep_loading
+from kvharbor.cache.keys import namespace_tag
 from kvharbor.config import Config
 from kvharbor.connector.link import CacheLink, say_off
 from kvharbor.connector.ranks import RankAgreement, SoleRank
@@ -112,6 +113,8 @@ class WorkerSide:
         self.config = config
         self.rank = rank
         self.fingerprint = layout.digests[rank]
+        self.namespace = namespace_tag(layout.fingerprints[rank].key_namespace)
+        """Recorded in the headers of what this rank stores (`kvharbor purge --namespace`)."""
         self._load_link = load_link
         self._save_link = save_link
         self._ranks = ranks if ranks is not None else RankAgreement(SoleRank(), load_link.switch)
@@ -294,7 +297,7 @@ class WorkerSide:
                 # marks them then, and only then is the step released.
                 in_time = (lambda: not job.gave_up.is_set()) if parts.fill_before_step_end else None
                 stored = self._save_link.store(
-                    self.fingerprint, items, parts.fill, parts.settle, job.filled.set, in_time
+                    self.fingerprint, items, parts.fill, parts.settle, job.filled.set, in_time, self.namespace
                 )
             except Exception:
                 # A bug in a copy must not end the saver (every later step would wait for it).
