@@ -83,8 +83,8 @@ def test_namespace_purge_removes_that_namespace_from_every_tier_and_keeps_the_ot
     assert all(t["nbytes"] > PER_LAYOUT * len(VALUE) for t in report["tiers"])
     assert gateway.holds(keys(1)) == 0
     assert gateway.holds(keys(2)) == PER_LAYOUT
-    tiers = {t["name"]: t for t in gateway.status()["store"]["tiers"]}
-    assert tiers["ram"]["keys"] == PER_LAYOUT and tiers["local"]["keys"] == PER_LAYOUT
+    tiers = {t.name: t for t in gateway.status().store.tiers}
+    assert tiers["ram"].keys == PER_LAYOUT and tiers["local"].keys == PER_LAYOUT
     assert files_in(gateway) == files_before - PER_LAYOUT  # The objects went, not only their index entries.
 
 
