@@ -578,6 +578,14 @@ class Tier:
         process used that fingerprint (it cannot be told from the digest)."""
         return self._engine_fingerprints.get(bytes(stored)) if self.layout else bytes(stored)
 
+    def learn_engine_fingerprints(self, fingerprints: Sequence[bytes]) -> None:
+        """Let `engine_fingerprint` tell these engine fingerprints behind this tier's own
+        (the gateway passes every registered layout, also those known from before a
+        restart, so a card tier's counts and a purge by layout name them before any engine
+        of this process used them); nothing to learn on a tier without a ``layout``."""
+        for fingerprint in fingerprints:
+            self._stored_fingerprint(fingerprint)
+
     def usage(self) -> tuple[int, int]:
         """Bytes used and objects stored, from the index alone (no device command);
         (-1, -1) when the index cannot answer (a fault, counted)."""
