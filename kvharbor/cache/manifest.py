@@ -12,11 +12,12 @@ SQLite's locks are not trusted across NFS clients.
 
 The running totals (bytes, entries) live in the ``meta`` table and change in
 the same transactions as the rows they sum, so reading them is one primary-key
-lookup instead of a SUM over every entry. The objects of each stored fingerprint are
-counted in the ``layouts`` table, by triggers on ``objects``: every statement that adds
-or drops a row (a REPLACE too, with ``recursive_triggers`` on) keeps them exact. ``last_access`` is a hybrid clock:
-wall-clock nanoseconds, forced to rise by at least one per stamp, so the LRU
-order is total and survives a clock stepping back.
+lookup instead of a SUM over every entry. The objects of each stored fingerprint
+are counted in the ``layouts`` table by triggers on ``objects``: every statement
+that adds or drops a row (a REPLACE too, with ``recursive_triggers`` on) keeps
+them exact. ``last_access`` is a hybrid clock: wall-clock nanoseconds, forced to
+rise by at least one per stamp, so the LRU order is total and survives a clock
+stepping back.
 
 `open_manifest` opens the manifest or, when it is missing, damaged or of
 another format, rebuilds it from the object headers on the device (see
