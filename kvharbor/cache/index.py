@@ -29,6 +29,10 @@ class Entry:
     """Bytes on the device, headers and every fragment included."""
     parts: int
     """How many device objects hold the value (fragments)."""
+    fingerprint: bytes = b""
+    """The layout fingerprint the value is stored under (its header's), which the index
+    counts objects by (`TierIndex.layout_counts`); empty where a caller has none to give
+    (tools and tests that build an index by hand): counted under the empty fingerprint."""
 
 
 class OverBudget(Exception):
@@ -86,6 +90,11 @@ class TierIndex(ABC):
         nanoseconds (`kvharbor purge --older-than`); a snapshot, in no set order."""
 
     @abstractmethod
+    def layout_counts(self) -> dict[bytes, int]:
+        """How many entries are stored under each stored fingerprint, for those with any;
+        exact, kept as entries come and go (no scan)."""
+
+    @abstractmethod
     def rebuild(self, entries: Iterable[Entry]) -> None:
         """Replace the whole index (recovery from a device scan)."""
 
@@ -108,9 +117,14 @@ _NEWER = 3
 _USED_S = 4
 """When the entry was last stored or used, in whole wall-clock seconds (fits 32 bits until
 2106); an entry rebuilt from a device scan is stamped at the rebuild: used then at the latest."""
-_FIELDS = "QIIII"
+_LAYOUT = 5
+"""The ordinal of the entry's fingerprint in the index's layout table."""
+_FIELDS = "QIIIIH"
 """64 bits for the size, 32 for the fragment count (at most `FRAGMENTS_MAX`), the links
-(record ids fit in 31 bits) and the last use."""
+(record ids fit in 31 bits) and the last use, 16 for the layout ordinal."""
+LAYOUTS_MAX = 1 << 16
+"""Distinct fingerprints one `MemoryIndex` can tell apart (a 16-bit ordinal per entry); an
+ordinal whose last entry left is reused."""
 
 
 def _now_s() -> int:
@@ -124,10 +138,12 @@ _LRU_END = (1 << 32) - 1
 class MemoryIndex(TierIndex):
     """An LRU index in one process, in a `KeyTable`: about 50 bytes per key.
 
-    Each key's record holds its size, its fragment count and its two neighbours
+    Each key's record holds its size, its fragment count, its two neighbours
     in a doubly linked LRU list threaded through the record ids, least recently
-    used at ``_oldest``. Every call takes the lock: a concurrent insert may
-    rehash the table or reuse a freed record under a reader.
+    used at ``_oldest``, and the ordinal of its fingerprint in a small layout
+    table beside it (a process sees a few layouts, not one per key), which also
+    counts the entries of each. Every call takes the lock: a concurrent insert
+    may rehash the table or reuse a freed record under a reader.
     """
 
     def __init__(self) -> None:
@@ -135,6 +151,7 @@ class MemoryIndex(TierIndex):
         self._oldest = _LRU_END
         self._newest = _LRU_END
         self._used_bytes = 0
+        self._layouts = _LayoutTable()
         self._lock = threading.Lock()
 
     def admit(
@@ -155,23 +172,24 @@ class MemoryIndex(TierIndex):
                 if record != own:
                     key = table.key_of(record)
                     if key not in pinned:
-                        nbytes = table.get(record, _NBYTES)
-                        victims.append(Entry(key, nbytes, table.get(record, _PARTS)))
-                        used -= nbytes
+                        victim = self._entry(record)
+                        victims.append(victim)
+                        used -= victim.nbytes
                 record = table.get(record, _NEWER)
             if used + entry.nbytes > budget_bytes:
                 raise OverBudget(f"{entry.nbytes} bytes do not fit the budget of {budget_bytes}: the rest is pinned")
+            self._layouts.check_room(entry.fingerprint)
             for victim in victims:
                 self._forget(victim.key)
             if own == NO_RECORD:
                 own = table.insert(entry.key)
             else:
                 self._unlink(own)
-            table.set(own, _NBYTES, entry.nbytes)
-            table.set(own, _PARTS, entry.parts)
-            table.set(own, _USED_S, _now_s())
+                self._used_bytes -= table.get(own, _NBYTES)
+                self._layouts.release(table.get(own, _LAYOUT))
+            self._fill(own, entry, _now_s())
             self._link_newest(own)
-            self._used_bytes = used + entry.nbytes
+            assert self._used_bytes == used + entry.nbytes, (self._used_bytes, used, entry.nbytes)
         assert 0 < self._used_bytes <= budget_bytes
         return victims
 
@@ -224,6 +242,10 @@ class MemoryIndex(TierIndex):
                 record = self._table.get(record, _NEWER)
             return out
 
+    def layout_counts(self) -> dict[bytes, int]:
+        with self._lock:
+            return self._layouts.counts()
+
     def stamped(self) -> list[tuple[Entry, int]]:
         with self._lock:
             table = self._table
@@ -236,18 +258,18 @@ class MemoryIndex(TierIndex):
             self._table = KeyTable(_FIELDS)
             self._oldest = self._newest = _LRU_END
             self._used_bytes = 0
+            self._layouts = _LayoutTable()
             for entry in entries:
                 # A repeated key replaces the earlier entry where it stood, as dict assignment does.
+                self._layouts.check_room(entry.fingerprint)
                 record = self._table.find(entry.key)
                 if record == NO_RECORD:
                     record = self._table.insert(entry.key)
                     self._link_newest(record)
                 else:
                     self._used_bytes -= self._table.get(record, _NBYTES)
-                self._table.set(record, _NBYTES, entry.nbytes)
-                self._table.set(record, _PARTS, entry.parts)
-                self._table.set(record, _USED_S, now_s)
-                self._used_bytes += entry.nbytes
+                    self._layouts.release(self._table.get(record, _LAYOUT))
+                self._fill(record, entry, now_s)
 
     # -- internals, under the lock -------------------------------------------
 
@@ -257,16 +279,25 @@ class MemoryIndex(TierIndex):
             return
         if self._used_bytes + entry.nbytes > budget_bytes:
             raise OverBudget(f"{entry.nbytes} bytes do not fit the free room of the budget of {budget_bytes}")
+        self._layouts.check_room(entry.fingerprint)
         record = self._table.insert(entry.key)
-        self._table.set(record, _NBYTES, entry.nbytes)
-        self._table.set(record, _PARTS, entry.parts)
-        self._table.set(record, _USED_S, _now_s())
+        self._fill(record, entry, _now_s())
         self._link_oldest(record)
+
+    def _fill(self, record: int, entry: Entry, used_s: int) -> None:
+        """Write ``entry`` into ``record`` (new, or one whose layout was released) and count
+        it: its bytes in the total, itself under its fingerprint."""
+        table = self._table
+        table.set(record, _NBYTES, entry.nbytes)
+        table.set(record, _PARTS, entry.parts)
+        table.set(record, _USED_S, used_s)
+        table.set(record, _LAYOUT, self._layouts.hold(entry.fingerprint))
         self._used_bytes += entry.nbytes
 
     def _entry(self, record: int) -> Entry:
         table = self._table
-        return Entry(table.key_of(record), table.get(record, _NBYTES), table.get(record, _PARTS))
+        fingerprint = self._layouts.fingerprint(table.get(record, _LAYOUT))
+        return Entry(table.key_of(record), table.get(record, _NBYTES), table.get(record, _PARTS), fingerprint)
 
     def _forget(self, key: bytes) -> None:
         """Drop ``key`` if present."""
@@ -275,6 +306,7 @@ class MemoryIndex(TierIndex):
             return
         self._used_bytes -= self._table.get(record, _NBYTES)
         assert self._used_bytes >= 0, self._used_bytes
+        self._layouts.release(self._table.get(record, _LAYOUT))
         self._unlink(record)
         self._table.release(record)
 
@@ -311,3 +343,53 @@ class MemoryIndex(TierIndex):
         else:
             table.set(self._newest, _NEWER, record)
         self._newest = record
+
+
+class _LayoutTable:
+    """Ordinal -> stored fingerprint, and how many entries hold each ordinal: what a
+    `MemoryIndex` record keeps of its fingerprint in 2 bytes instead of 16. Not
+    thread-safe: the index's lock covers it."""
+
+    def __init__(self) -> None:
+        self._fingerprints: list[bytes] = []
+        self._counts: list[int] = []
+        self._ordinals: dict[bytes, int] = {}
+        self._unused: list[int] = []
+        """Ordinals whose count fell to zero, reused before the table grows."""
+
+    def check_room(self, fingerprint: bytes) -> None:
+        """Raise `OverBudget` when ``fingerprint`` would need an ordinal and none is left:
+        called before an admission changes anything."""
+        if fingerprint not in self._ordinals and not self._unused and len(self._fingerprints) >= LAYOUTS_MAX:
+            raise OverBudget(f"the index already tells {LAYOUTS_MAX} layouts apart: no ordinal for another")
+
+    def hold(self, fingerprint: bytes) -> int:
+        """Count one more entry under ``fingerprint``; its ordinal (see `check_room`)."""
+        ordinal = self._ordinals.get(fingerprint)
+        if ordinal is None:
+            fingerprint = bytes(fingerprint)
+            if self._unused:
+                ordinal = self._unused.pop()
+                self._fingerprints[ordinal] = fingerprint
+            else:
+                ordinal = len(self._fingerprints)
+                self._fingerprints.append(fingerprint)
+                self._counts.append(0)
+            self._ordinals[fingerprint] = ordinal
+        self._counts[ordinal] += 1
+        return ordinal
+
+    def release(self, ordinal: int) -> None:
+        """Count one entry fewer under ``ordinal``; its last frees the ordinal."""
+        self._counts[ordinal] -= 1
+        if self._counts[ordinal] < 0:
+            raise RuntimeError(f"layout ordinal {ordinal} released more often than held")
+        if self._counts[ordinal] == 0:
+            del self._ordinals[self._fingerprints[ordinal]]
+            self._unused.append(ordinal)
+
+    def fingerprint(self, ordinal: int) -> bytes:
+        return self._fingerprints[ordinal]
+
+    def counts(self) -> dict[bytes, int]:
+        return {fingerprint: self._counts[ordinal] for fingerprint, ordinal in self._ordinals.items()}

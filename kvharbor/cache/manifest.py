@@ -12,9 +12,12 @@ SQLite's locks are not trusted across NFS clients.
 
 The running totals (bytes, entries) live in the ``meta`` table and change in
 the same transactions as the rows they sum, so reading them is one primary-key
-lookup instead of a SUM over every entry. ``last_access`` is a hybrid clock:
-wall-clock nanoseconds, forced to rise by at least one per stamp, so the LRU
-order is total and survives a clock stepping back.
+lookup instead of a SUM over every entry. The objects of each stored fingerprint
+are counted in the ``layouts`` table by triggers on ``objects``: every statement
+that adds or drops a row (a REPLACE too, with ``recursive_triggers`` on) keeps
+them exact. ``last_access`` is a hybrid clock: wall-clock nanoseconds, forced to
+rise by at least one per stamp, so the LRU order is total and survives a clock
+stepping back.
 
 `open_manifest` opens the manifest or, when it is missing, damaged or of
 another format, rebuilds it from the object headers on the device (see
@@ -52,8 +55,9 @@ _log = get_logger("kvharbor.cache.manifest")
 MANIFEST_FILE = "manifest.sqlite"
 LOCK_FILE = "manifest.lock"
 """Serialises opening and rebuilding; never deleted (deleting a lock file races)."""
-FORMAT_VERSION = 1
-"""The manifest's schema version; a manifest of any other version is rebuilt."""
+FORMAT_VERSION = 2
+"""The manifest's schema version; a manifest of any other version is rebuilt (2: each
+object's fingerprint, and the objects counted by it)."""
 BUSY_TIMEOUT_MS = 10_000
 """How long a statement waits for another process's write transaction."""
 SQLITE_VERSION_MIN = (3, 35, 0)
@@ -65,10 +69,22 @@ CREATE TABLE objects (
     key BLOB PRIMARY KEY,
     nbytes INTEGER NOT NULL,
     parts INTEGER NOT NULL,
-    last_access INTEGER NOT NULL
+    last_access INTEGER NOT NULL,
+    fingerprint BLOB NOT NULL
 ) WITHOUT ROWID;
 CREATE INDEX objects_by_access ON objects (last_access);
+CREATE TABLE layouts (fingerprint BLOB PRIMARY KEY, objects INTEGER NOT NULL) WITHOUT ROWID;
+CREATE TRIGGER layouts_add AFTER INSERT ON objects BEGIN
+    INSERT INTO layouts VALUES (new.fingerprint, 1)
+    ON CONFLICT (fingerprint) DO UPDATE SET objects = objects + 1;
+END;
+CREATE TRIGGER layouts_drop AFTER DELETE ON objects BEGIN
+    UPDATE layouts SET objects = objects - 1 WHERE fingerprint = old.fingerprint;
+    DELETE FROM layouts WHERE fingerprint = old.fingerprint AND objects = 0;
+END;
 """
+# No trigger on UPDATE: only last_access is ever updated in place; a row's fingerprint
+# changes by INSERT OR REPLACE, whose deletion fires layouts_drop (recursive_triggers).
 # A batch of keys travels as one BLOB of concatenated keys (?1), cut into rows
 # (n, key) by the indices of a JSON array with one slot per key (?2). Against
 # an IN list of one bound variable per key this is one statement for every
@@ -85,6 +101,8 @@ _TOUCH = (
     "FROM (SELECT key, max(n) AS n FROM batch GROUP BY key) AS latest WHERE objects.key = latest.key"
 )
 _META_NAMES = ("format_version", "used_bytes", "count", "clock")
+_ENTRY = "key, nbytes, parts, fingerprint"
+"""The columns of an `Entry`, in its fields' order."""
 _REBUILT_FILES = ("", "-wal", "-shm", "-journal")
 
 # SQLite's primary result codes; extended codes carry them in the low byte.
@@ -141,8 +159,8 @@ class ManifestIndex(TierIndex):
                 (oldest,) = db.execute("SELECT MIN(last_access) FROM objects").fetchone()
                 stamp, clock = (stamp, clock) if oldest is None else (oldest - 1, meta["clock"])
             db.execute(
-                "INSERT OR REPLACE INTO objects VALUES (?, ?, ?, ?)",
-                (key, entry.nbytes, entry.parts, stamp),
+                "INSERT OR REPLACE INTO objects VALUES (?, ?, ?, ?, ?)",
+                (key, entry.nbytes, entry.parts, stamp, bytes(entry.fingerprint)),
             )
             used, count = used + entry.nbytes, count + 1
             assert 0 < used <= budget_bytes and count > 0, (used, budget_bytes, count)
@@ -180,13 +198,17 @@ class ManifestIndex(TierIndex):
 
     def get(self, key: bytes) -> Entry | None:
         with self._read() as db:
-            row = db.execute("SELECT nbytes, parts FROM objects WHERE key = ?", (bytes(key),))
+            row = db.execute("SELECT nbytes, parts, fingerprint FROM objects WHERE key = ?", (bytes(key),))
             found = row.fetchone()
-        return None if found is None else Entry(bytes(key), found[0], found[1])
+        return None if found is None else Entry(bytes(key), *found)
 
     def used_bytes(self) -> int:
         with self._read() as db:
             return _read_meta(db)["used_bytes"]
+
+    def layout_counts(self) -> dict[bytes, int]:
+        with self._read() as db:
+            return dict(db.execute("SELECT fingerprint, objects FROM layouts").fetchall())
 
     def count(self) -> int:
         with self._read() as db:
@@ -194,30 +216,28 @@ class ManifestIndex(TierIndex):
 
     def lru(self, limit: int) -> list[Entry]:
         with self._read() as db:
-            rows = db.execute(
-                "SELECT key, nbytes, parts FROM objects ORDER BY last_access LIMIT ?", (limit,)
-            ).fetchall()
-        return [Entry(key, nbytes, parts) for key, nbytes, parts in rows]
+            rows = db.execute(f"SELECT {_ENTRY} FROM objects ORDER BY last_access LIMIT ?", (limit,)).fetchall()
+        return [Entry(*row) for row in rows]
 
     def stamped(self) -> list[tuple[Entry, int]]:
         """See `TierIndex.stamped`: ``last_access`` is wall-clock nanoseconds (the hybrid
         clock runs ahead of it by at most one per stamp)."""
         with self._read() as db:
-            rows = db.execute("SELECT key, nbytes, parts, last_access FROM objects").fetchall()
-        return [(Entry(key, nbytes, parts), stamp) for key, nbytes, parts, stamp in rows]
+            rows = db.execute(f"SELECT {_ENTRY}, last_access FROM objects").fetchall()
+        return [(Entry(*row[:-1]), row[-1]) for row in rows]
 
     def most_recent(self, limit: int, older_than: int | None = None) -> tuple[list[Entry], int | None]:
         """Up to ``limit`` entries, most recently used first, each used before ``older_than``
         (an access stamp; None: from the newest), and the cursor to pass for the next
         ones (None when there are none). Stamps are unique, so a cursor skips nothing."""
-        newest_first = "SELECT key, nbytes, parts, last_access FROM objects {} ORDER BY last_access DESC LIMIT ?"
+        newest_first = f"SELECT {_ENTRY}, last_access FROM objects {{}} ORDER BY last_access DESC LIMIT ?"
         with self._read() as db:
             if older_than is None:
                 rows = db.execute(newest_first.format(""), (limit,)).fetchall()
             else:
                 rows = db.execute(newest_first.format("WHERE last_access < ?"), (older_than, limit)).fetchall()
-        cursor = rows[-1][3] if rows else None
-        return [Entry(key, nbytes, parts) for key, nbytes, parts, _ in rows], cursor
+        cursor = rows[-1][-1] if rows else None
+        return [Entry(*row[:-1]) for row in rows], cursor
 
     def rebuild(self, entries: Iterable[Entry]) -> None:
         with self._write() as db:
@@ -237,13 +257,14 @@ class ManifestIndex(TierIndex):
         victims: list[Entry] = []
         if excess <= 0:
             return victims
-        rows = db.execute("SELECT key, nbytes, parts FROM objects ORDER BY last_access")
+        rows = db.execute(f"SELECT {_ENTRY} FROM objects ORDER BY last_access")
         try:
-            for victim_key, nbytes, parts in rows:
-                if victim_key == key or victim_key in pinned:
+            for row in rows:
+                victim = Entry(*row)
+                if victim.key == key or victim.key in pinned:
                     continue
-                victims.append(Entry(victim_key, nbytes, parts))
-                excess -= nbytes
+                victims.append(victim)
+                excess -= victim.nbytes
                 if excess <= 0:
                     return victims
         finally:
@@ -299,14 +320,14 @@ def _stamps(meta: dict[str, int], n: int) -> tuple[int, int]:
 
 def _insert_all(db: sqlite3.Connection, entries: Iterable[Entry]) -> None:
     """Insert ``entries`` oldest first and recount the totals (inside a write transaction)."""
-    rows = [(bytes(e.key), e.nbytes, e.parts) for e in entries]
+    rows = [(bytes(e.key), e.nbytes, e.parts, bytes(e.fingerprint)) for e in entries]
     meta = _read_meta(db)
     clock = meta["clock"]
     if rows:
         base, clock = _stamps(meta, len(rows))
         db.executemany(
-            "INSERT OR REPLACE INTO objects VALUES (?, ?, ?, ?)",
-            [(key, nbytes, parts, base + i) for i, (key, nbytes, parts) in enumerate(rows)],
+            "INSERT OR REPLACE INTO objects VALUES (?, ?, ?, ?, ?)",
+            [(key, nbytes, parts, base + i, fingerprint) for i, (key, nbytes, parts, fingerprint) in enumerate(rows)],
         )
     used, count = db.execute("SELECT COALESCE(SUM(nbytes), 0), COUNT(*) FROM objects").fetchone()
     _write_meta(db, used_bytes=used, count=count, clock=clock)
@@ -446,6 +467,8 @@ def _connect(path: str, tier_name: str, busy_timeout_ms: int) -> sqlite3.Connect
         # last commits (the manifest then misses objects that exist, which
         # cost space until recovery), never corrupt the file.
         db.execute("PRAGMA synchronous = NORMAL")
+        # The rows an INSERT OR REPLACE deletes fire layouts_drop only with this on.
+        db.execute("PRAGMA recursive_triggers = ON")
     except sqlite3.Error as err:
         raise DeviceUnavailable(tier_name, f"manifest {path} cannot be opened ({err})") from err
     if mode != "wal":
@@ -473,9 +496,8 @@ def _create(path: str, tier_name: str, busy_timeout_ms: int, recovered: Recovere
     try:
         with _typed_errors(tier_name, path):
             db.execute("BEGIN IMMEDIATE")
-            for statement in _SCHEMA.split(";"):
-                if statement.strip():
-                    db.execute(statement)
+            for statement in _statements(_SCHEMA):
+                db.execute(statement)
             db.executemany("INSERT INTO meta VALUES (?, ?)", [(name, 0) for name in _META_NAMES])
             _insert_all(db, recovered.entries)
             _write_meta(db, format_version=FORMAT_VERSION)
@@ -484,6 +506,19 @@ def _create(path: str, tier_name: str, busy_timeout_ms: int, recovered: Recovere
         db.close()
         raise
     return db
+
+
+def _statements(script: str) -> Iterator[str]:
+    """The statements of ``script`` one by one (a trigger's body holds semicolons of its own),
+    for a transaction the caller holds: `sqlite3.Connection.executescript` would commit it."""
+    pending = ""
+    for piece in script.split(";"):
+        pending += piece + ";"
+        if sqlite3.complete_statement(pending):
+            yield pending
+            pending = ""
+    if pending.strip(" \n;"):
+        raise ValueError(f"an incomplete statement ends the script: {pending!r}")
 
 
 def _log_rebuild(tier_name: str, problem: str, recovered: Recovered, seconds: float) -> None:

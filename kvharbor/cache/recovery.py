@@ -39,6 +39,7 @@ class _Part:
     device_key: bytes
     nbytes: int
     fragment_count: int
+    fingerprint: bytes
 
 
 def recover_entries(device: Device) -> Recovered:
@@ -62,14 +63,14 @@ def recover_entries(device: Device) -> Recovered:
             damaged.append(device_key)
             continue
         group = groups.setdefault(header.key, {})
-        group[header.fragment_index] = _Part(device_key, nbytes, header.fragment_count)
+        group[header.fragment_index] = _Part(device_key, nbytes, header.fragment_count, header.fingerprint)
     entries = []
     for key, group in groups.items():
         whole = _whole_value(group)
         kept = {part.device_key for part in whole}
         damaged.extend(part.device_key for part in group.values() if part.device_key not in kept)
         if whole:
-            entries.append(Entry(key, sum(part.nbytes for part in whole), len(whole)))
+            entries.append(Entry(key, sum(part.nbytes for part in whole), len(whole), whole[0].fingerprint))
     for device_key in damaged:
         device.delete(device_key)
     recovered = Recovered(tuple(entries), objects, scanned_bytes, len(damaged))

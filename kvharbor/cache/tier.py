@@ -123,6 +123,9 @@ class TierStatus:
     counters: TierCounts = field(default_factory=TierCounts)
     device_statuses: dict[str, int] = field(default_factory=dict)
     """A card's answers other than success, by status code (misses included)."""
+    layouts: dict[str, int] = field(default_factory=dict)
+    """Objects stored per layout: the engine fingerprint's digest, hex, -> how many; under
+    the stored digest where this tier cannot tell the engine's (see `Tier.engine_fingerprint`)."""
 
 
 class Tier:
@@ -415,7 +418,7 @@ class Tier:
             parts = encode(key, fingerprint, value, self.codec, self.device.max_value_bytes, namespace=namespace)
         except ValueError as err:
             return self._unstorable(err)
-        entry = Entry(bytes(key), sum(p.nbytes for p in parts), len(parts))
+        entry = Entry(bytes(key), sum(p.nbytes for p in parts), len(parts), bytes(fingerprint))
         if not self._admit(entry, pinned, on_evict, behind):
             return False
         try:
@@ -499,7 +502,7 @@ class Tier:
                 value_checksum,
                 self.namespaces.tag(fingerprint),
             )
-            entry = Entry(key, part.nbytes, 1)
+            entry = Entry(key, part.nbytes, 1, stored)
             assert entry.nbytes == span.length, (entry.nbytes, span.length)
             if not self._admit(entry, pinned | {key}, on_evict):
                 device.abandon(span)
@@ -575,6 +578,14 @@ class Tier:
         process used that fingerprint (it cannot be told from the digest)."""
         return self._engine_fingerprints.get(bytes(stored)) if self.layout else bytes(stored)
 
+    def learn_engine_fingerprints(self, fingerprints: Sequence[bytes]) -> None:
+        """Let `engine_fingerprint` tell these engine fingerprints behind this tier's own
+        (the gateway passes every registered layout, also those known from before a
+        restart, so a card tier's counts and a purge by layout name them before any engine
+        of this process used them); nothing to learn on a tier without a ``layout``."""
+        for fingerprint in fingerprints:
+            self._stored_fingerprint(fingerprint)
+
     def usage(self) -> tuple[int, int]:
         """Bytes used and objects stored, from the index alone (no device command);
         (-1, -1) when the index cannot answer (a fault, counted)."""
@@ -583,6 +594,20 @@ class Tier:
         except DeviceError as err:
             self._index_fault(err)
             return -1, -1
+
+    def layout_counts(self) -> dict[str, int]:
+        """`TierStatus.layouts`, from the index alone; empty when the index cannot answer
+        (a fault, counted)."""
+        try:
+            stored = self.index.layout_counts()
+        except DeviceError as err:
+            self._index_fault(err)
+            return {}
+        counts: dict[str, int] = {}
+        for fingerprint, objects in stored.items():
+            digest = (self.engine_fingerprint(fingerprint) or fingerprint).hex()
+            counts[digest] = counts.get(digest, 0) + objects
+        return counts
 
     def watch_health(self) -> Health:
         """Read the device's health and say each change of its state once: degraded as a
@@ -614,6 +639,7 @@ class Tier:
             breaker=self.breaker.state.value,
             counters=self.counters,
             device_statuses=self.device.status_counts() if isinstance(self.device, CardDevice) else {},
+            layouts=self.layout_counts(),
         )
 
     def close(self) -> None:

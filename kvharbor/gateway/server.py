@@ -212,6 +212,7 @@ class Gateway:
         self.layouts = LayoutRegistry(
             [t.device.state_dir for t in self.store.tiers if isinstance(t.device, PersistentDevice)], self.start_clean
         )
+        self._learn_layouts([bytes.fromhex(layout.digest) for layout in self.layouts.layouts()])
         self._prober = TierProber(
             self.store.tiers,
             self.config.storage.backpressure.circuit_breaker.background_probe_interval_s,
@@ -682,10 +683,17 @@ class Gateway:
         if layouts:
             assert self.layouts is not None
             self.layouts.register(layouts, hello.client)
+            self._learn_layouts([layout.digest() for layout in layouts])
         _log.info("kvharbor: client %r (pid %d) attached", hello.client, hello.pid)
         return p.HelloOk(
             p.PROTOCOL_VERSION, __version__, str(self.segment.path), self.segment.size, self.ring_bytes, os.getpid()
         )
+
+    def _learn_layouts(self, digests: Sequence[bytes]) -> None:
+        """Teach every tier the registered layouts' digests (`Tier.learn_engine_fingerprints`)."""
+        assert self.store is not None
+        for tier in self.store.tiers:
+            tier.learn_engine_fingerprints(digests)
 
     @staticmethod
     def _layouts_of(hello: p.Hello) -> list[LayoutFingerprint]:

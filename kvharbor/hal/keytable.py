@@ -81,10 +81,10 @@ def _home(lo: int, hi: int, shift: int) -> int:
     return (((lo ^ hi) * _GOLDEN) & _WORD_MASK) >> shift
 
 
-_Typecode = Literal["Q", "I", "B"]
-FIELD_TYPES: dict[str, _Typecode] = {"Q": "Q", "I": "I"}
-"""A field is an unsigned integer of 64 bits ("Q") or 32 ("I"): 32 where the owner
-knows its values fit, since every field costs its width for every key."""
+_Typecode = Literal["Q", "I", "H", "B"]
+FIELD_TYPES: dict[str, _Typecode] = {"Q": "Q", "I": "I", "H": "H"}
+"""A field is an unsigned integer of 64 bits ("Q"), 32 ("I") or 16 ("H"): narrower where
+the owner knows its values fit, since every field costs its width for every key."""
 
 
 def _column(typecode: _Typecode, items: int, old: memoryview | None = None) -> memoryview:
@@ -121,7 +121,7 @@ class KeyTable:
 
     def __init__(self, fields: str) -> None:
         """``fields``: one `FIELD_TYPES` letter per field, e.g. "QII"."""
-        assert set(fields) <= set(FIELD_TYPES), f"field types are Q (64 bits) or I (32 bits), got {fields!r}"
+        assert set(fields) <= set(FIELD_TYPES), f"field types are Q, I or H (64, 32, 16 bits), got {fields!r}"
         self._types = [FIELD_TYPES[letter] for letter in fields]
         self._records = 0
         """Records ever handed out (ids below it are live, detached or free)."""
@@ -225,7 +225,7 @@ class KeyTable:
 
     def set(self, record: int, field: int, value: int) -> None:
         """Set field ``field`` of a live or detached record to ``value`` in
-        [0, 2**64); anything else raises ValueError and changes nothing."""
+        [0, 2**width) of its field; anything else raises ValueError and changes nothing."""
         assert 0 <= field < len(self._fields), (field, len(self._fields))
         assert self._state[record] != _FREE, f"record {record} is free"
         self._fields[field][record] = value

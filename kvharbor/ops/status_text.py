@@ -54,6 +54,26 @@ def layout_text(layout: RegisteredLayout, served: bool = True) -> str:
     return f"{layout.short}: by {layout.registered_by!r} {when(layout.registered_at_s)}{seen}"
 
 
+def layouts_text(status: GatewayStatus) -> list[str]:
+    """Each registered layout with its objects per tier, then the objects of digests that
+    no registered layout explains, per tier (`TierStatus.layouts`)."""
+    tiers = status.store.tiers
+    registered = {layout.digest for layout in status.layouts}
+    lines = []
+    for layout in status.layouts:
+        held = [f"{tier.name} {tier.layouts[layout.digest]}" for tier in tiers if layout.digest in tier.layouts]
+        lines.append(f"{layout_text(layout)}; objects: {', '.join(held) if held else 'none'}")
+    unexplained = []
+    for tier in tiers:
+        counts = [objects for digest, objects in tier.layouts.items() if digest not in registered]
+        if counts:
+            digests = f"{len(counts)} digest{'s' if len(counts) > 1 else ''}"
+            unexplained.append(f"{tier.name} {sum(counts)} ({digests})")
+    if unexplained:
+        lines.append(f"unregistered: objects: {', '.join(unexplained)}")
+    return lines or ["none registered"]
+
+
 def card_text(name: str, card: CardStatus) -> str:
     temperature = "?" if math.isnan(card.temperature_c) else f"{card.temperature_c:.0f} C"
     return (
@@ -97,7 +117,7 @@ def render_status(status: GatewayStatus) -> str:
     out += _lines("tiers", tiers)
     if status.cards:
         out += _lines("card", [card_text(name, card) for name, card in status.cards.items()])
-    out += _lines("layouts", [layout_text(layout) for layout in status.layouts] or ["none registered"])
+    out += _lines("layouts", layouts_text(status))
     refill = status.refill
     out += _lines(
         "refill", [f"{refill.state}: {refill.objects} objects, {mib(refill.bytes)} in {refill.seconds:.1f} s"]

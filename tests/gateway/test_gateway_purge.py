@@ -132,3 +132,23 @@ def test_a_gateway_of_another_config_is_not_purged_behind(
     err = capsys.readouterr().err
     assert "cannot be asked to purge" in err and "CONFIG_MISMATCH" in err and "nothing was removed" in err
     assert gateway.holds(keys(1)) == PER_LAYOUT
+
+
+def layout_counts(gw: RealGateway) -> dict[str, dict[str, int]]:
+    """Objects per layout digest, per tier, as the gateway's status says."""
+    return {tier.name: tier.layouts for tier in gw.status().store.tiers}
+
+
+def test_status_counts_each_layouts_objects_per_tier_through_a_purge_and_a_restart(gateway: RealGateway) -> None:
+    alpha, beta = ALPHA.digest().hex(), BETA.digest().hex()
+    both = {alpha: PER_LAYOUT, beta: PER_LAYOUT}
+    assert layout_counts(gateway) == {"ram": both, "local": both}
+    assert purge_cli(gateway, "--layout", f"#{short_digest(BETA.digest())}", "--yes") == 0
+    assert layout_counts(gateway) == {"ram": {alpha: PER_LAYOUT}, "local": {alpha: PER_LAYOUT}}
+    gateway.stop()
+    gateway.start()
+    # The file tier's counts come back from its manifest; the RAM tier starts empty and
+    # what refills it from the file tier is alpha's, as far as it got.
+    counts = layout_counts(gateway)
+    assert counts["local"] == {alpha: PER_LAYOUT}
+    assert set(counts["ram"]) <= {alpha}

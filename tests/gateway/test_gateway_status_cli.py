@@ -41,6 +41,7 @@ def test_status_names_the_gateway_its_clients_hit_rate_tiers_and_layouts(lab: La
             "ram [ram]: ok;",
             "files [file]: ok;",
             f"{LAYOUT.short()}: by 'engine-a'",
+            ", this run; objects: ram 3, files 3\n",
             "start-clean=0",
         ):
             assert line in human.stdout, (line, human.stdout)
@@ -50,9 +51,9 @@ def test_status_names_the_gateway_its_clients_hit_rate_tiers_and_layouts(lab: La
     assert status.pid == gateway.pid and status.socket == gateway.config.gateway.socket
     assert status.clients == [AttachedClient("engine-a", os.getpid())], "a status query attaches no client"
     assert (status.hit_rate.hit_tokens, status.hit_rate.lookup_tokens, status.hit_rate.lookups) == (768, 1536, 2)
-    assert [(t.name, t.keys, status.tier_conditions()[t.name]) for t in status.store.tiers] == [
-        ("ram", 3, "ok"),
-        ("files", 3, "ok"),
+    assert [(t.name, t.keys, status.tier_conditions()[t.name], t.layouts) for t in status.store.tiers] == [
+        ("ram", 3, "ok", {LAYOUT.digest().hex(): 3}),
+        ("files", 3, "ok", {LAYOUT.digest().hex(): 3}),
     ]
     (layout,) = status.layouts
     assert layout.fingerprint == LAYOUT and layout.digest == LAYOUT.digest().hex() and layout.this_run

@@ -19,12 +19,16 @@ from kvharbor.telemetry.metrics import HitCounts, TierCounts
 
 LAYOUT = LayoutFingerprint(model_id="tiny", chunk_size=16, kv_shapes=("L0:2x4x8:float32",), extra=(("device", "cpu"),))
 
+UNREGISTERED = "ab" * 16
+"""A digest of stored objects that no registered layout explains."""
+
 
 def sample_status(temperature_c: float = 41.5) -> GatewayStatus:
     tier = TierStatus(
         name="card", device_type="nvme", codec="none", capacity_bytes=1 << 30, used_bytes=1 << 20, keys=3,
         health="degraded", health_detail="CapacityUsage WARNING", breaker="closed",
         counters=TierCounts(puts=3, evictions=1), device_statuses={"1/81h": 2},
+        layouts={LAYOUT.digest().hex(): 2, UNREGISTERED: 1},
     )  # fmt: skip
     card = CardStatus(
         driver="sim", service="running", firmware_version="1.0", temperature_c=temperature_c, supercap="ok",

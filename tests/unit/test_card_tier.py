@@ -14,8 +14,9 @@ import pytest
 
 from kvharbor.cache.assembly import open_store, open_tier
 from kvharbor.cache.breaker import BreakerSettings, BreakerState, CircuitBreaker
+from kvharbor.cache.format import HEADER_BYTES
 from kvharbor.cache.index import MemoryIndex
-from kvharbor.cache.keys import LayoutFingerprint, card_layout
+from kvharbor.cache.keys import LayoutFingerprint, card_layout, tier_fingerprint
 from kvharbor.cache.store import TieredStore
 from kvharbor.cache.tier import Tier
 from kvharbor.config import ConfigError, NvmeTierSection, validate_config
@@ -173,6 +174,35 @@ def test_a_changed_card_layout_makes_card_objects_misses_and_no_other_tiers(capl
     assert caplog.text.count("stored under other settings") == 1 and "corrupt" not in caplog.text
     assert bytes(ram.read(key, FINGERPRINT) or b"") == data, "the RAM hit is untouched"
     assert device.exists([key]) == [False], "the stale object was dropped"
+
+
+def test_objects_are_counted_per_engine_layout_through_evictions_and_a_card_tiers_own_layout() -> None:
+    other = LayoutFingerprint(model_id="test/card", chunk_size=32).digest()
+    ram = Tier(
+        "ram",
+        RamDevice("ram", 1 << 20),
+        MemoryIndex(),
+        3 * (HEADER_BYTES + VALUE_BYTES),
+        CircuitBreaker(BreakerSettings()),
+    )
+    for fingerprint in (FINGERPRINT, FINGERPRINT, other, other):  # The fourth evicts the first.
+        assert ram.write(os.urandom(16), fingerprint, value())
+    assert ram.counters.evictions == 1
+    assert ram.layout_counts() == {FINGERPRINT.hex(): 1, other.hex(): 2}
+    layout = card_layout(1 << 20)
+    device = sim_device()
+    card = Tier("card", device, MemoryIndex(), PARAMS.capacity_bytes, CircuitBreaker(BreakerSettings()), layout=layout)
+    for fingerprint in (FINGERPRINT, FINGERPRINT, other):
+        assert card.write(os.urandom(16), fingerprint, value())
+    assert card.layout_counts() == {FINGERPRINT.hex(): 2, other.hex(): 1}, "named by the engine's digest"
+    # Another process over what the card holds has seen no engine yet: the stored digests...
+    again = Tier("card", device, card.index, PARAMS.capacity_bytes, CircuitBreaker(BreakerSettings()), layout=layout)
+    assert again.layout_counts() == {
+        tier_fingerprint(FINGERPRINT, layout).hex(): 2,
+        tier_fingerprint(other, layout).hex(): 1,
+    }
+    again.learn_engine_fingerprints([FINGERPRINT])  # ...until the gateway teaches it a registered layout.
+    assert again.layout_counts() == {FINGERPRINT.hex(): 2, tier_fingerprint(other, layout).hex(): 1}
 
 
 def test_key_eviction_off_refuses_when_full_and_the_store_keeps_serving() -> None:

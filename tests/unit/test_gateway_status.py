@@ -9,7 +9,8 @@ import math
 import pytest
 
 from kvharbor.gateway.status import GatewayStatus, StatusFormError, peek_release, tier_condition
-from tests.support.status_sample import sample_status
+from kvharbor.ops.status_text import layouts_text
+from tests.support.status_sample import LAYOUT, UNREGISTERED, sample_status
 
 
 def test_the_json_form_round_trips_into_the_same_typed_status() -> None:
@@ -17,6 +18,20 @@ def test_the_json_form_round_trips_into_the_same_typed_status() -> None:
     again = GatewayStatus.from_json(status.to_json())
     assert again == status
     assert again.layouts[0].fingerprint.chunk_size == 16 and again.cards["card"].capacity_usage.value == "WARNING"
+    assert again.store.tiers[0].layouts == {LAYOUT.digest().hex(): 2, UNREGISTERED: 1}
+
+
+def test_each_registered_layout_shows_its_objects_per_tier_and_the_rest_are_unregistered() -> None:
+    status = sample_status()
+    registered, unregistered = layouts_text(status)
+    assert registered.startswith(f"{LAYOUT.short()}: by 'vllm-worker rank 0' ")
+    assert registered.endswith(", this run; objects: card 2")
+    assert unregistered == "unregistered: objects: card 1 (1 digest)"
+    (layout,) = status.layouts
+    alone = dataclasses.replace(status, layouts=[], store=dataclasses.replace(status.store, tiers=[]))
+    assert layouts_text(alone) == ["none registered"]
+    unstored = dataclasses.replace(status, store=dataclasses.replace(status.store, tiers=[]))
+    assert layouts_text(unstored)[0].endswith("; objects: none") and layout.this_run
 
 
 def test_an_unreadable_card_temperature_survives_as_nan_in_strict_json() -> None:

@@ -11,6 +11,7 @@ import re
 import sqlite3
 import tempfile
 import traceback
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.queues import Queue
@@ -306,9 +307,10 @@ def test_a_missing_manifest_is_rebuilt_from_object_headers(tmp_path: Path, caplo
     (line,) = rebuild_lines(caplog)
     assert line == {"problem": "missing", "objects": "13", "bytes": str(scanned), "kept": "3", "dropped": "8"}
     assert caplog.records[0].levelno == logging.INFO
-    assert index.get(key(1)) == Entry(key(1), sum(p.nbytes for p in whole), 3)
-    assert index.get(key(2)) == Entry(key(2), single[0].nbytes, 1)
-    assert index.get(key(4)) == Entry(key(4), shrunk[0].nbytes, 1)
+    assert index.get(key(1)) == Entry(key(1), sum(p.nbytes for p in whole), 3, FINGERPRINT)
+    assert index.get(key(2)) == Entry(key(2), single[0].nbytes, 1, FINGERPRINT)
+    assert index.get(key(4)) == Entry(key(4), shrunk[0].nbytes, 1, FINGERPRINT)
+    assert index.layout_counts() == {FINGERPRINT: 3}  # Told by the headers the scan read.
     assert index.contains([key(3), key(5), key(6), key(7)]) == [False] * 4
     survivors = {key(1), fragment_key(key(1), 1), fragment_key(key(1), 2), key(2), key(4)}
     assert {k for k, _ in device.scan()} == survivors  # What cannot be read is gone.
@@ -367,7 +369,8 @@ MODEL_BUDGET = 1000
 
 
 class ManifestMatchesMemoryIndex(RuleBasedStateMachine):
-    """Without pins, the manifest and the in-memory index make the same choices."""
+    """Without pins, the manifest and the in-memory index make the same choices, and
+    both count exactly the entries of each fingerprint they hold."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -377,9 +380,14 @@ class ManifestMatchesMemoryIndex(RuleBasedStateMachine):
 
     keys = st.integers(0, 9).map(key)
 
-    @rule(k=keys, nbytes=st.integers(1, MODEL_BUDGET + 50), parts=st.integers(1, 3))
-    def admit(self, k: bytes, nbytes: int, parts: int) -> None:
-        new = Entry(k, nbytes, parts)
+    @rule(
+        k=keys,
+        nbytes=st.integers(1, MODEL_BUDGET + 50),
+        parts=st.integers(1, 3),
+        fingerprint=st.sampled_from([b"\x01" * 16, b"\x02" * 16]),
+    )
+    def admit(self, k: bytes, nbytes: int, parts: int, fingerprint: bytes) -> None:
+        new = Entry(k, nbytes, parts, fingerprint)
         try:
             expected = self.model.admit(new, MODEL_BUDGET)
         except OverBudget:
@@ -403,6 +411,8 @@ class ManifestMatchesMemoryIndex(RuleBasedStateMachine):
         assert snapshot(self.manifest) == (self.model.used_bytes(), self.model.count(), self.model.lru(1000))
         every = [key(n) for n in range(10)]
         assert self.manifest.contains(every) == self.model.contains(every)
+        held = Counter(entry.fingerprint for entry in self.model.lru(1000))
+        assert self.model.layout_counts() == self.manifest.layout_counts() == dict(held)
 
     def teardown(self) -> None:
         self.manifest.close()
