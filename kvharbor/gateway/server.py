@@ -54,6 +54,7 @@ from kvharbor.gateway.shm import (
 )
 from kvharbor.gateway.status import AttachedClient, DetachedClient, GatewayStatus, HitRate, ShmStatus
 from kvharbor.gateway.transfers import Batch, Transfers
+from kvharbor.gateway.watchdog import RequestWatchdog
 from kvharbor.gateway.wire import FrameReader, PeerClosed, send_message
 from kvharbor.hal.base import CardDevice, CardStatus, Device, DeviceError, PersistentDevice
 from kvharbor.hal.extents import round_up
@@ -182,6 +183,8 @@ class Gateway:
         """(name, pid, when, unclean) of the clients that detached, under ``_clients_lock``."""
         self.started_at_s = time.time()
         self._stopping = threading.Event()
+        self._watchdog = RequestWatchdog(config.gateway.request_timeout_ms / 1000 / 2)
+        """Says a request that outlasts half of its client's patience, with every thread's stack."""
         self.metrics.clients_attached.set_function(self._clients_attached)
         # Held for the whole of `stop`: a second caller (signal thread, main
         # thread, parent watcher) waits until the first has finished cleaning
@@ -241,6 +244,7 @@ class Gateway:
             self._lifetime.start()
         self.refill.start()
         self._prober.start()
+        self._watchdog.start()
         self.dashboard = Dashboard.start(
             GatewayHooks(
                 config=lambda: self.config,
@@ -374,6 +378,7 @@ class Gateway:
             self._stop_clients()
             if self._prober is not None:
                 self._prober.stop()
+            self._watchdog.stop()
             if self.dashboard is not None:
                 self.dashboard.stop()  # Before the store closes: the page reads it.
             if self.refill is not None:
@@ -516,11 +521,13 @@ class Gateway:
                 progress.start(frame.request_id)
                 started = time.perf_counter()
                 outcome: p.Message | p.ProtocolError
+                self._watchdog.begin(frame.type, connection.peer)
                 try:
                     outcome = self._answer(connection, frame.type, body)
                 except p.ProtocolError as err:
                     outcome = err
                 finally:
+                    self._watchdog.end()
                     # Before the answer goes out, so a client holding its answer finds the
                     # request counted; refused requests too: their time was the gateway's.
                     self.metrics.served(frame.type, time.perf_counter() - started)
