@@ -173,6 +173,15 @@ class GatewaySection(_Section):
     ring_mb: int = Field(1024, gt=0, description="shared-memory ring size in MiB")
     ring_wait_ms: int = Field(200, ge=0, description="how long a transfer waits for ring space")
     ring_mb_min: int = Field(64, gt=0, description="refuse to start below this ring size")
+    in_place_mb_max: int = Field(
+        4096, gt=0, description="MiB of values clients may be writing in place in the RAM tier at once"
+    )
+    """Puts into a shared-memory RAM tier go straight to the value's final place; room
+    lent for them comes from evicting stored values, so this bounds what clients that
+    prepare and never commit can make the tier evict. Past it values go through the
+    ring. It must hold one engine step's saves: a GPU step of 16,384 tokens of an 8B
+    model is 2 GiB, and a value of a step that fits neither here nor in the ring is
+    skipped (and every later chunk of its prompt is unreachable)."""
     shm_reserve_mb: int = Field(64, ge=0, description="MiB of shm_dir left free for the engine (NCCL uses it)")
     request_timeout_ms: int = Field(5000, gt=0, description="longest silence of the gateway during one request")
     progress_interval_ms: int = Field(1000, gt=0, description="how often a long request reports progress")

@@ -10,9 +10,10 @@ leading hits in place or reads them into ring extents the client copies out
 of; its release gives the room back. A batch belongs to one connection: the
 gateway frees what a connection still holds when it closes.
 
-The ring's size bounds the bytes in flight either way: reservations count
-against it, so a client that prepares and never commits cannot make the
-first tier evict more than a ring's worth of stored values.
+The bytes in flight are bounded either way: the ring's size bounds those in
+the ring, and ``gateway.in_place_mb_max`` those lent in place, so a client
+that prepares and never commits cannot make the first tier evict more than
+that much of its stored values.
 
 A put batch also lends a page or so of the ring for its completion marks
 (`protocol.write_mark`). A client that goes away with the batch open (vLLM's
@@ -109,6 +110,7 @@ class Transfers:
         self.ring = Extents(ring_bytes)  # The segment's head; RAM tiers own the rest.
         self._metrics = metrics
         self._ring_wait_s = config.gateway.ring_wait_ms / 1000
+        self._in_place_bytes_max = config.gateway.in_place_mb_max * MIB
         self._value_max = config.storage.value_mb_max * MIB
         self._segment_address = address_of(segment.view)
         self._batch_ids = iter(range(1, 2**63))
@@ -117,7 +119,7 @@ class Transfers:
         self.pinned = 0
         """RAM-tier values clients are reading in place right now."""
         self.reserved_bytes = 0
-        """Bytes of values clients are writing in place right now (at most the ring's size)."""
+        """Bytes of values clients are writing in place right now (at most ``gateway.in_place_mb_max``)."""
 
     # -- puts ----------------------------------------------------------------
 
@@ -176,7 +178,7 @@ class Transfers:
         can take it there within the in-flight budget, else a ring extent (waiting
         for room until ``deadline``); None when there is neither."""
         with self._batch_lock:
-            in_budget = self.reserved_bytes + size <= self.ring.size
+            in_budget = self.reserved_bytes + size <= self._in_place_bytes_max
             self.reserved_bytes += size if in_budget else 0
         reservation = self.store.reserve(key, batch.fingerprint, size, pinned) if in_budget else None
         if reservation is not None:

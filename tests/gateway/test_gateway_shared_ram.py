@@ -124,20 +124,36 @@ def test_a_writer_that_checksums_every_value_sends_the_checksums(started: Callab
         assert get_values(client, [k for k, _ in items]) == [value_for(k, n) for k, n in items]
 
 
-def test_in_flight_puts_in_place_are_bounded_by_the_ring(started: Callable[..., GatewayProcess]) -> None:
-    gateway = started(ring_mb=8)
+def test_in_flight_puts_in_place_are_bounded_by_their_own_budget(started: Callable[..., GatewayProcess]) -> None:
+    gateway = started(ring_mb=8, in_place_mb_max=7)
     items = [(key, 3 * MIB) for key in keys_of(3, tag=14)]
     with closing_client(gateway.client("c")) as client:
         ring = client.hello.ring_bytes
         batch = client.prepare_put(FINGERPRINT, items)
         offsets = [address_in(client, view) for view in batch.views]
-        # Two fit the ring's worth of in-flight bytes in place; the third goes through the ring.
+        # Two fit gateway.in_place_mb_max in place; the third goes through the ring.
         assert [offset >= ring for offset in offsets] == [True, True, False]
         fill(batch, items)
         assert client.commit_put(batch) == 3
         assert get_values(client, [k for k, _ in items]) == [value_for(k, n) for k, n in items]
         shm = client.status().shm
         assert shm.free_bytes == ring and shm.in_place_bytes == 0
+
+
+def test_a_batch_larger_than_the_ring_goes_in_place_whole(started: Callable[..., GatewayProcess]) -> None:
+    """A GPU step's saves (2 GiB at 16,384 tokens of an 8B model) outgrow the ring: they
+    must all be lent in place, or each step's last chunk is skipped and every chunk
+    after it in the prompt is unreachable (seen on the H200 with the ring's 1 GiB)."""
+    gateway = started(ring_mb=8)
+    items = [(key, 3 * MIB) for key in keys_of(5, tag=24)]
+    with closing_client(gateway.client("c")) as client:
+        ring = client.hello.ring_bytes
+        batch = client.prepare_put(FINGERPRINT, items)
+        assert all(view is not None and address_in(client, view) >= ring for view in batch.views)
+        fill(batch, items)
+        assert client.commit_put(batch) == 5
+        assert get_values(client, [k for k, _ in items]) == [value_for(k, n) for k, n in items]
+        assert client.status().counters["ring_full"] == 0
 
 
 def test_puts_go_through_the_ring_when_the_first_tier_is_not_in_shared_memory(
