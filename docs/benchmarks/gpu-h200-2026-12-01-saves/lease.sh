@@ -1,9 +1,11 @@
 #!/bin/bash
 # One step of the H200 lease for issue 9 item 2 (saves land before the answer: bench/gpu.py sigint)
-# and a re-run of the restart figures (items 5 and 6), from the repository root on the device machine:
-# bash .gpu-src/docs/benchmarks/gpu-h200-2026-12-01-saves/lease.sh STEP.
-# Steps, one call each: deps, part0-part3 (one vLLM wheel part per call), vllm (the last part, the
-# install, then sigint), restart. Results accumulate in /root/res; each step packs its folder into $OUT.
+# from the repository root on the device machine:
+# bash docs/benchmarks/gpu-h200-2026-12-01-saves/lease.sh STEP.
+# Steps, one call each: deps (carry .gpu-src and .whl/deps), part0-part4 (carry only that
+# .whl/vllm.part0N: with .gpu-src too a call passes the 64 MiB a call may carry), vllm (carry .gpu-src
+# and .whl/vllm.sha256: the install, then sigint). Results accumulate in /root/res; each step packs its
+# folder into $OUT. This run: sigint once before the fix of gateway.in_place_mb_max (before-fix/), once after.
 set -uo pipefail
 step=$1
 R=$PWD
@@ -23,10 +25,9 @@ deps)
   (cd $S && python3 -m pip install -q --no-index --no-deps --no-build-isolation --target $HOME/kvh .) || exit 1
   python3 -c 'import kvharbor, torch; print(kvharbor.__file__, torch.__version__, torch.cuda.get_device_name(0))'
   pack ;;
-part0|part1|part2|part3)
+part0|part1|part2|part3|part4)
   part ${step#part} ;;
 vllm)
-  part 4
   cd $HOME/w && cat vllm.part0? > vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl && cd $R &&
   echo "$(cat .whl/vllm.sha256)  $HOME/w/vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl" | sha256sum -c || exit 1
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $HOME/site \
@@ -35,9 +36,7 @@ vllm)
   python3 -c 'import vllm; print("vllm", vllm.__version__)'
   (cd $S && timeout 520 python3 bench/gpu.py sigint --model $model --engine-timeout 300 --ram-gb 40 --out $out) 2>&1 \
     | tee $out/sigint.log | tail -12
-  pack ;;
-restart)
-  (cd $S && timeout 580 python3 bench/gpu.py restart --model $model --engine-timeout 240 --out $out) 2>&1 | tee $out/restart.log | tail -30
+  for d in /tmp/kvh-sigint-*; do cp $d/gw.sock.log $out/gw-$(basename $d).log 2>/dev/null; done
   pack ;;
 *) echo "unknown step $step"; exit 2 ;;
 esac
