@@ -305,6 +305,14 @@ class TieredStore:
         deadline = time.monotonic() + self._shutdown_deadline_s
         for queue in self.queues.values():
             queue.begin_close()  # Every queue flushes at once, not one after the other.
+        queued = {name: queue.status().depth for name, queue in self.queues.items()}
+        if any(queued.values()):
+            _log.info(
+                "kvharbor: writing out queued writes before the tiers close (%s), for at most %g s "
+                "(storage.async_shutdown_deadline_s)",
+                ", ".join(f"{name} {depth}" for name, depth in queued.items() if depth),
+                self._shutdown_deadline_s,
+            )
         for queue in self.queues.values():
             queue.close(deadline)
         for tier in self.tiers:
