@@ -317,7 +317,8 @@ class StorageSection(_Section):
     async_queue_depth: int = Field(256, gt=0, description="writes one async tier's queue holds at most")
     """Per tier with ``async_writes``. A write that finds its tier's queue full (this many
     values, or ``async_queue_mb``) is dropped and counted: the engine never waits for a slow
-    tier. A key queued and not yet written is served from the queue's copy meanwhile."""
+    tier. A key queued and not yet written is served from the queue's copy meanwhile. Under
+    ``write_back`` a dropped write is a demotion: the value leaves the cache (a future miss)."""
     async_queue_mb: int = Field(1024, gt=0, description="MiB of values one async tier's queue holds at most")
     """The queue holds a copy of each value it has not written yet: the tier above may evict
     the value (or its client reuse its shared memory) before the slow tier has it."""
