@@ -14,22 +14,30 @@ file tier's index, a status for one, is asked then.)
 from __future__ import annotations
 
 import contextlib
+import logging
 import sqlite3
+import threading
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from gateway_harness import Lab, closing_client, get_values, put_values, value_for, wait_until
+from gateway_harness import FINGERPRINT, WAIT_S, Lab, closing_client, get_values, put_values, value_for, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvharbor.cache.assembly import open_store
 from kvharbor.cache.manifest import MANIFEST_FILE
 from kvharbor.cache.tier import TierStatus
+from kvharbor.config import load_config
+from kvharbor.gateway.client import GatewayClient
+from kvharbor.gateway.server import Gateway
 
 pytestmark = pytest.mark.timeout(120)
 
 SIZE = 100_000
 COUNT = 5
+LINGER_S = 3.0
+"""Long enough for this test's client to attach after the start (the countdown runs from it)."""
 
 
 def tiers(root: Path) -> list[dict[str, object]]:
@@ -97,3 +105,41 @@ def test_the_queue_s_numbers_and_a_sigterm_that_writes_the_queue_out(lab: Lab) -
     with closing_client(again.client()) as client:
         assert client.lookup(keys) == 2 * COUNT
         assert get_values(client, keys) == [value_for(key, size) for key, size in first + held]
+
+
+def test_an_embedded_gateway_s_linger_exit_writes_the_queue_out_first(
+    lab: Lab, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The end of ``gateway.linger_s`` stops the gateway the same way a signal does: the
+    queue is written out before the tiers close. In this process (its log at hand), with
+    nothing that reads the file tier's index while the manifest is held (no dashboard)."""
+    path = lab.config(
+        tiers=tiers(lab.tmp_path), storage={"refill_ram": False}, dashboard={"enabled": False}, mode="embedded"
+    )
+    config = load_config(path, environ={})
+    lab.shm.add((Path(config.gateway.shm_dir), config.gateway.shm_name))
+    server = Gateway(config, linger_s=LINGER_S)
+    server.start()
+    serving = threading.Thread(target=server.serve_forever, daemon=True)
+    serving.start()
+    items = [(bytes([9, i]) * 8, SIZE) for i in range(COUNT)]
+    try:
+        with caplog.at_level(logging.INFO), manifest_locked(lab.tmp_path / "files"):
+            with closing_client(GatewayClient.connect(config.gateway, "engine")) as client:
+                assert put_values(client, items) == COUNT
+            # Detached: the countdown runs, then the stop writes the queue out.
+            wait_until(lambda: any("writing out queued writes" in r.getMessage() for r in caplog.records), "the flush")
+        serving.join(WAIT_S)
+        assert not serving.is_alive(), "the lingering gateway did not stop"
+    finally:
+        server.stop()
+    said = "\n".join(r.getMessage() for r in caplog.records)
+    assert "idle for" in said and f"(local {COUNT})" in said and "not written within" not in said, said
+    store = open_store(config)  # The file tier as the next gateway finds it.
+    try:
+        local = store.tiers[1]
+        assert [bytes(local.read(key, FINGERPRINT) or b"") for key, _ in items] == [
+            value_for(key, size) for key, size in items
+        ]
+    finally:
+        store.close()
