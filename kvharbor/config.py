@@ -219,6 +219,12 @@ class TierSection(_Section):
     type: str
     capacity_gb: float = Field(gt=0)
     codec: Literal["none", "lz4", "zstd"] = "none"
+    async_writes: bool = True
+    """Writes to this tier go through its queue (``storage.async_*``), served by worker
+    threads, so that a put returns once the tiers above have it. The default is the type's:
+    true for remote stores (object stores, filers), false for RAM, local files and a card.
+    The store's first tier (the first configured one that opens) is always written before a
+    put returns, whatever it says: the engine's saves land there."""
 
     @property
     def capacity_bytes(self) -> int:
@@ -227,11 +233,16 @@ class TierSection(_Section):
 
 class RamTierSection(TierSection):
     type: Literal["ram"] = "ram"
+    async_writes: bool = False  # Memory is not slower than the queue's own copy of the value.
 
 
 class FileTierSection(TierSection):
     type: Literal["file"] = "file"
     path: str
+    async_writes: bool = False
+    """A local disk: false, so that a value is on the disk before its put returns and
+    survives the gateway even when it is killed (a queued write would die with it); the
+    disk's own speed bounds the put. True trades that for puts at the speed of the tier above."""
     fsync: bool = True
     """Flush every object to stable storage before it counts as stored."""
     fanout_levels: int = Field(2, ge=0, le=3)
@@ -245,6 +256,7 @@ class NvmeTierSection(TierSection):
     (``file:PATH``) or an NVMe device path; the `card` section holds its settings."""
 
     type: Literal["nvme"] = "nvme"
+    async_writes: bool = False  # Local flash, written as fast as a file (see `FileTierSection`).
     device: str = Field(min_length=1)
     capacity_gb: float | None = Field(None, gt=0)  # type: ignore[assignment]
     """Optional: the device's capacity by default; a larger value is refused when the tier opens."""
@@ -308,8 +320,23 @@ class StorageSection(_Section):
     # At most 16: a tool's LOCATE answer names the tiers of a key in one 64-bit mask.
     tiers: list[TierSection] = Field(default_factory=_default_tiers, min_length=1, max_length=16)
     write_policy: Literal["write_through", "write_back"] = "write_through"
-    """write_through: a put reaches every tier before it returns; write_back: lower
-    tiers are written when an object is evicted from the one above."""
+    """write_through: a put writes every tier; write_back: lower tiers are written when an
+    object is evicted from the one above. Either way a tier with ``async_writes`` is written
+    from its queue, after the put returns (see ``async_queue_depth``)."""
+    async_queue_depth: int = Field(256, gt=0, description="writes one async tier's queue holds at most")
+    """Per tier with ``async_writes``. A write that finds its tier's queue full (this many
+    values, or ``async_queue_mb``) is dropped and counted: the engine never waits for a slow
+    tier. A key queued and not yet written is served from the queue's copy meanwhile. Under
+    ``write_back`` a dropped write is a demotion: the value leaves the cache (a future miss)."""
+    async_queue_mb: int = Field(1024, gt=0, description="MiB of values one async tier's queue holds at most")
+    """The queue holds a copy of each value it has not written yet: the tier above may evict
+    the value (or its client reuse its shared memory) before the slow tier has it."""
+    async_workers: int = Field(2, gt=0, le=64, description="threads writing each async tier")
+    async_shutdown_deadline_s: float = Field(
+        30.0, ge=0, allow_inf_nan=False, description="seconds a stopping gateway writes its queues out"
+    )
+    """A gateway that stops (a signal, the end of an embedded gateway's linger) writes what
+    its queues hold for at most this long; what is left is counted and said once, and lost."""
     value_mb_max: int = Field(1024, gt=0, lt=4096, description="largest value (one chunk's KV) in MiB")
     """Below 4 GiB: stored lengths are 32 bits (a chunk of 256 tokens of a 70B model is ~80 MiB)."""
     probe: bool = True

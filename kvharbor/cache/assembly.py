@@ -16,8 +16,9 @@ from kvharbor.cache.format import HEADER_BYTES, Codec
 from kvharbor.cache.index import MemoryIndex, TierIndex
 from kvharbor.cache.keys import card_layout
 from kvharbor.cache.probe import ProbeFailed, probe_device
-from kvharbor.cache.store import TieredStore
+from kvharbor.cache.store import AsyncWrites, TieredStore
 from kvharbor.cache.tier import Tier
+from kvharbor.cache.writequeue import WriteQueueSettings
 from kvharbor.config import MIB, Config, NvmeTierSection, TierSection
 from kvharbor.hal.base import CardDevice, Device, DeviceError, PersistentDevice, SelfDescribingDevice
 from kvharbor.hal.registry import open_device
@@ -161,4 +162,14 @@ def open_store(
             ", ".join(f"{t.name}[{t.device_type}, {t.capacity_bytes / 2**30:g} GiB]" for t in tiers),
             config.storage.write_policy,
         )
-    return TieredStore(tiers, config.storage.write_policy, metrics.hits, skipped)
+    return TieredStore(tiers, config.storage.write_policy, metrics.hits, skipped, async_writes(config))
+
+
+def async_writes(config: Config) -> AsyncWrites:
+    """The tiers written through a queue and the queues' limits, from ``storage``."""
+    storage = config.storage
+    return AsyncWrites(
+        tiers=frozenset(section.name for section in storage.tiers if section.async_writes),
+        queue=WriteQueueSettings(storage.async_queue_depth, storage.async_queue_mb * MIB, storage.async_workers),
+        shutdown_deadline_s=storage.async_shutdown_deadline_s,
+    )

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import enum
 import struct
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -179,24 +180,34 @@ class PayloadChecksum:
         return self._hasher.intdigest()
 
 
+CodecObserver = Callable[[int, int, float], None]
+"""Hears each value a codec other than none compressed or decompressed: (raw bytes, stored
+bytes, seconds in the codec); how a tier measures its codec's ratio and speed."""
+
 _ZSTD_LEVEL = 3  # zstd's own default: ~300 MB/s+ per core, a good ratio on KV bytes.
 
 
-def _compress(codec: Codec, data: memoryview) -> memoryview:
+def _compress(codec: Codec, data: memoryview, observe: CodecObserver | None = None) -> memoryview:
     if codec is Codec.NONE:
         return data
+    started = time.perf_counter()
     if codec is Codec.LZ4:
-        return memoryview(lz4.frame.compress(data, store_size=True))
-    return memoryview(zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(data))
+        out = memoryview(lz4.frame.compress(data, store_size=True))
+    else:
+        out = memoryview(zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(data))
+    if observe is not None:
+        observe(data.nbytes, out.nbytes, time.perf_counter() - started)
+    return out
 
 
-def _decompress(codec: Codec, data: memoryview, raw_length: int) -> memoryview:
+def _decompress(codec: Codec, data: memoryview, raw_length: int, observe: CodecObserver | None = None) -> memoryview:
     if codec is Codec.NONE:
         # Stored bytes are the value: the lengths must agree, or a header that
         # lies about the raw length would hand out a value of the wrong size.
         if data.nbytes != raw_length:
             raise CorruptObject(f"stored {data.nbytes} bytes, header says the value is {raw_length}")
         return data
+    started = time.perf_counter()
     try:
         if codec is Codec.LZ4:
             out = lz4.frame.decompress(data)
@@ -206,6 +217,8 @@ def _decompress(codec: Codec, data: memoryview, raw_length: int) -> memoryview:
         raise CorruptObject(f"{codec.name.lower()} payload does not decompress: {err}") from None
     if len(out) != raw_length:
         raise CorruptObject(f"decompressed {len(out)} bytes, header says {raw_length}")
+    if observe is not None:
+        observe(raw_length, data.nbytes, time.perf_counter() - started)
     return memoryview(out)
 
 
@@ -217,6 +230,7 @@ def encode(
     max_object_bytes: int | None = None,
     value_checksum: int | None = None,
     namespace: int = NAMESPACE_UNKNOWN,
+    observe: CodecObserver | None = None,
 ) -> list[EncodedPart]:
     """The device writes that store ``value``; payloads are views, not copies (codec none).
 
@@ -225,12 +239,12 @@ def encode(
     `checksum` of ``value`` when the caller has it already (its writer took it
     while the bytes were in its cache); it is used when the value is stored as
     it is, in one part. ``namespace`` is the writer's namespace tag, recorded in every
-    part's header.
+    part's header. ``observe`` hears the compression (see `CodecObserver`).
     """
     check_key(key)
     check_key(fingerprint)
     raw = memoryview(value).cast("B")
-    stored = _compress(codec, raw)
+    stored = _compress(codec, raw, observe)
     payload_max = (max_object_bytes or (HEADER_BYTES + max(stored.nbytes, 1))) - HEADER_BYTES
     if payload_max <= 0:
         raise ValueError(f"max_object_bytes {max_object_bytes} leaves no room after the header")
@@ -365,14 +379,21 @@ def _verify_read(
     return verify_part(got, key, fingerprint, index, first)
 
 
-def decode(key: bytes, fingerprint: bytes, read: ReadPart, out: memoryview | None = None) -> memoryview | None:
+def decode(
+    key: bytes,
+    fingerprint: bytes,
+    read: ReadPart,
+    out: memoryview | None = None,
+    observe: CodecObserver | None = None,
+) -> memoryview | None:
     """Read, verify and reassemble the value stored under ``key``.
 
     Returns None when fragment 0 is missing (a plain miss); raises
     `CorruptObject` when anything present is wrong or a later fragment is gone.
     A single uncompressed part is returned as a view of what ``read`` gave,
     with no copy; otherwise the value is assembled into ``out`` when it is given
-    and large enough, else into a new buffer.
+    and large enough, else into a new buffer. ``observe`` hears the decompression
+    (see `CodecObserver`).
     """
     assert len(key) == KEY_BYTES
     first_data = read(ChunkKey(bytes(key)))
@@ -382,7 +403,7 @@ def decode(key: bytes, fingerprint: bytes, read: ReadPart, out: memoryview | Non
     if first.fragment_count == 1:
         if first.stored_length != payload.nbytes:
             raise CorruptObject("stored length disagrees with the payload")
-        return _decompress(first.codec, payload, first.raw_length)
+        return _decompress(first.codec, payload, first.raw_length, observe)
     assembled = bytearray(first.stored_length)
     offset = 0
     for index in range(first.fragment_count):
@@ -398,7 +419,7 @@ def decode(key: bytes, fingerprint: bytes, read: ReadPart, out: memoryview | Non
         offset = end
     if offset != first.stored_length:
         raise CorruptObject(f"fragments hold {offset} bytes, header says {first.stored_length}")
-    value = _decompress(first.codec, memoryview(assembled), first.raw_length)
+    value = _decompress(first.codec, memoryview(assembled), first.raw_length, observe)
     if out is not None and out.nbytes >= value.nbytes:
         out[: value.nbytes] = value
         return out[: value.nbytes]

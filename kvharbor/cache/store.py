@@ -10,6 +10,12 @@ Contracts:
 - `get` searches tiers top-down and promotes a hit into the tiers above it.
 - `put` writes the first tier, and then either every lower tier now
   (write-through) or each lower tier when the one above evicts (write-back).
+  The first tier is always written before `put` returns; a lower tier with
+  asynchronous writes (`AsyncWrites`) is handed a copy through its
+  `WriteQueue` instead (a full queue drops the write: the caller never waits
+  for a slow tier). A key queued for a tier and not yet written there is a hit,
+  served from the queue's copy; a delete cancels its queued writes. `close`
+  writes the queues out within `AsyncWrites.shutdown_deadline_s`.
   `reserve` and `complete` are a put in two phases whose value is written by
   the caller straight into its place in the first tier (a shared-memory tier):
   no copy of it is made to store it there.
@@ -19,7 +25,9 @@ Contracts:
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -28,6 +36,7 @@ from typing import Literal
 from kvharbor.cache.index import Entry
 from kvharbor.cache.namespaces import NamespaceTags
 from kvharbor.cache.tier import BufferSource, Reservation, SharedHit, Tier, TierStatus, new_buffer
+from kvharbor.cache.writequeue import WriteQueue, WriteQueueSettings
 from kvharbor.hal.base import Buffer
 from kvharbor.telemetry.log import OnceLog, get_logger
 from kvharbor.telemetry.metrics import HitCounts, HitMetrics
@@ -47,6 +56,17 @@ class StoreStatus:
 
 
 @dataclass(frozen=True, slots=True)
+class AsyncWrites:
+    """Which tiers are written through a queue, and the queues' limits (``storage.async_*``)."""
+
+    tiers: frozenset[str]
+    """Names of the tiers with ``async_writes``; the store's first tier is written at once whatever it says."""
+    queue: WriteQueueSettings
+    shutdown_deadline_s: float
+    """How long `TieredStore.close` writes the queues out before it gives up on what is left."""
+
+
+@dataclass(frozen=True, slots=True)
 class Probe:
     """What a `TieredStore.probe` found."""
 
@@ -63,10 +83,12 @@ class TieredStore:
         write_policy: WritePolicy = "write_through",
         hits: HitMetrics | None = None,
         skipped: Mapping[str, str] | None = None,
+        async_writes: AsyncWrites | None = None,
     ) -> None:
         """``hits``: where lookups are counted in tokens (the gateway's metrics); a
         registry of its own without. ``skipped``: configured tiers that did not open,
-        and why (shown in `status`)."""
+        and why (shown in `status`). ``async_writes``: the tiers written through a queue
+        (none without)."""
         names = [t.name for t in tiers]
         assert len(set(names)) == len(names), names
         self.tiers = list(tiers)
@@ -80,6 +102,14 @@ class TieredStore:
         self._closed = False
         self._close_lock = threading.Lock()
         self._once = OnceLog(_log)
+        self._shutdown_deadline_s = async_writes.shutdown_deadline_s if async_writes else 0.0
+        self.queues: dict[str, WriteQueue] = {}
+        """Tier name -> its write queue, for the tiers written asynchronously (never the first)."""
+        for tier in self.tiers[1:]:
+            if async_writes is not None and tier.name in async_writes.tiers:
+                self.queues[tier.name] = WriteQueue(
+                    tier.name, async_writes.queue, partial(self._write_now, tier), tier.delete, tier.metrics
+                )
 
     # -- queries -----------------------------------------------------------
 
@@ -151,10 +181,12 @@ class TieredStore:
         return len(items)
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        """Per key: does any tier hold it?"""
+        """Per key: does any tier hold it, or a tier's queue?"""
         present = [False] * len(keys)
         for tier in self.tiers:
             present = [a or b for a, b in zip(present, tier.contains(keys), strict=True)]
+        for queue in self.queues.values():
+            present = [a or b for a, b in zip(present, queue.holds(keys), strict=True)]
         return present
 
     def get(
@@ -167,6 +199,9 @@ class TieredStore:
         """
         for depth, tier in enumerate(self.tiers):
             value = tier.read(key, fingerprint, source, touch)
+            queue = self.queues.get(tier.name)
+            if value is None and queue is not None:
+                value = queue.pending(key, fingerprint)  # Evicted above, not written here yet.
             if value is None:
                 continue
             for upper in reversed(self.tiers[:depth]):
@@ -233,6 +268,8 @@ class TieredStore:
             tier.touch(keys)
 
     def delete(self, keys: Sequence[bytes]) -> None:
+        for queue in self.queues.values():
+            queue.cancel(keys)  # First: a queued write must not bring a deleted key back.
         for tier in self.tiers:
             tier.delete(keys)
 
@@ -240,19 +277,44 @@ class TieredStore:
         """Empty every tier (``--start-clean=1``); returns the objects removed."""
         return sum(tier.clear() for tier in self.tiers)
 
+    def settle(self, timeout_s: float) -> bool:
+        """Wait until the write queues have written what they hold, at most ``timeout_s``
+        (before a purge, which reads the tiers themselves); True if they did."""
+        deadline = time.monotonic() + timeout_s
+        return all(queue.settle(max(0.0, deadline - time.monotonic())) for queue in self.queues.values())
+
     def status(self) -> StoreStatus:
+        tiers = []
+        for tier in self.tiers:
+            queue = self.queues.get(tier.name)
+            status = tier.status()
+            tiers.append(status if queue is None else dataclasses.replace(status, write_queue=queue.status()))
         return StoreStatus(
-            tiers=[t.status() for t in self.tiers],
+            tiers=tiers,
             write_policy=self.write_policy,
             hits=self.hits.snapshot(),
             skipped=dict(self.skipped),
         )
 
     def close(self) -> None:
+        """Write the queues out (all at once, within the shutdown deadline), then close the tiers."""
         with self._close_lock:
             if self._closed:
                 return
             self._closed = True
+        deadline = time.monotonic() + self._shutdown_deadline_s
+        for queue in self.queues.values():
+            queue.begin_close()  # Every queue flushes at once, not one after the other.
+        queued = {name: queue.status().depth for name, queue in self.queues.items()}
+        if any(queued.values()):
+            _log.info(
+                "kvharbor: writing out queued writes before the tiers close (%s), for at most %g s "
+                "(storage.async_shutdown_deadline_s)",
+                ", ".join(f"{name} {depth}" for name, depth in queued.items() if depth),
+                self._shutdown_deadline_s,
+            )
+        for queue in self.queues.values():
+            queue.close(deadline)
         for tier in self.tiers:
             tier.close()
 
@@ -265,6 +327,18 @@ class TieredStore:
         fingerprint: bytes,
         value: Buffer,
         pinned: frozenset[bytes] = frozenset(),
+        owned: bool = False,
+    ) -> bool:
+        """Write ``tier`` now, or queue the write when it is written asynchronously (True:
+        queued). ``owned``: ``value`` is a copy of the caller's to give away (see
+        `WriteQueue.offer`); a queued write keeps only its own key from eviction."""
+        queue = self.queues.get(tier.name)
+        if queue is not None:
+            return queue.offer(key, fingerprint, value, owned)
+        return self._write_now(tier, key, fingerprint, value, pinned)
+
+    def _write_now(
+        self, tier: Tier, key: bytes, fingerprint: bytes, value: Buffer, pinned: frozenset[bytes] = frozenset()
     ) -> bool:
         return tier.write(
             key, fingerprint, value, pinned if key in pinned else pinned | {bytes(key)}, self._on_evict(tier)
@@ -284,4 +358,4 @@ class TieredStore:
             evicted = tier.read_evicted(victim)
             if evicted is not None:
                 fingerprint, value = evicted
-                self._write_tier(below, victim.key, fingerprint, value)
+                self._write_tier(below, victim.key, fingerprint, value, owned=True)  # Read out: ours.

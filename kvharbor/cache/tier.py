@@ -32,6 +32,7 @@ from kvharbor.cache.index import Entry, OverBudget, TierIndex
 from kvharbor.cache.keys import ChunkKey, fragment_key, tier_fingerprint
 from kvharbor.cache.namespaces import NamespaceTags
 from kvharbor.cache.probe import ProbeFailed, probe_device
+from kvharbor.cache.writequeue import WriteQueueStatus
 from kvharbor.hal.base import (
     Buffer,
     BufferTooSmall,
@@ -48,7 +49,7 @@ from kvharbor.hal.base import (
     TargetUnreachable,
 )
 from kvharbor.telemetry.log import OnceLog, get_logger
-from kvharbor.telemetry.metrics import Outcome, TierCounts, TierMetrics, TierOp
+from kvharbor.telemetry.metrics import CodecOp, Outcome, TierCounts, TierMetrics, TierOp
 
 _log = get_logger("kvharbor.cache.tier")
 
@@ -126,6 +127,8 @@ class TierStatus:
     layouts: dict[str, int] = field(default_factory=dict)
     """Objects stored per layout: the engine fingerprint's digest, hex, -> how many; under
     the stored digest where this tier cannot tell the engine's (see `Tier.engine_fingerprint`)."""
+    write_queue: WriteQueueStatus | None = None
+    """The tier's write queue, when it is written asynchronously (filled by the store)."""
 
 
 class Tier:
@@ -159,6 +162,8 @@ class Tier:
         self.device_type = device_type or type(device).__name__
         self._reopen_index = reopen_index
         self.metrics = metrics if metrics is not None else TierMetrics.standalone(name)
+        if codec is not Codec.NONE:
+            self.metrics.watch_compression()
         self._once = OnceLog(_log)
         self.layout = layout
         self.device_evicts = device_evicts
@@ -258,7 +263,7 @@ class Tier:
     def _read_verified(self, key: bytes, fingerprint: bytes, source: BufferSource, touch: bool) -> memoryview | None:
         """`read`'s body, run under the breaker's attempt."""
         try:
-            value = decode(key, fingerprint, self._read_part_fn(key, source))
+            value = decode(key, fingerprint, self._read_part_fn(key, source), observe=self._decoded)
         except CorruptObject as err:
             self.metrics.outcome(TierOp.GET, self._corrupt(key, err))
             return None
@@ -367,7 +372,7 @@ class Tier:
         if fingerprint is None:
             return None
         self.namespaces.learn(fingerprint, header.namespace)  # So that the copy records it too.
-        value = decode(key, stored, self._read_part_fn(key, new_buffer))
+        value = decode(key, stored, self._read_part_fn(key, new_buffer), observe=self._decoded)
         return None if value is None else (fingerprint, value)
 
     # -- writes ------------------------------------------------------------
@@ -415,7 +420,10 @@ class Tier:
         if behind and self.contains([key])[0]:
             return False
         try:
-            parts = encode(key, fingerprint, value, self.codec, self.device.max_value_bytes, namespace=namespace)
+            parts = encode(
+                key, fingerprint, value, self.codec, self.device.max_value_bytes, namespace=namespace,
+                observe=self._encoded,
+            )  # fmt: skip
         except ValueError as err:
             return self._unstorable(err)
         entry = Entry(bytes(key), sum(p.nbytes for p in parts), len(parts), bytes(fingerprint))
@@ -647,6 +655,12 @@ class Tier:
         self.device.close()
 
     # -- internals ---------------------------------------------------------
+
+    def _encoded(self, raw_bytes: int, stored_bytes: int, seconds: float) -> None:
+        self.metrics.codec(CodecOp.ENCODE, raw_bytes, stored_bytes, seconds)
+
+    def _decoded(self, raw_bytes: int, stored_bytes: int, seconds: float) -> None:
+        self.metrics.codec(CodecOp.DECODE, raw_bytes, stored_bytes, seconds)
 
     def _read_part_fn(self, key: bytes, source: BufferSource) -> Callable[[ChunkKey], ReadBack | None]:
         """A reader of one device object; fragment 0 lands in a buffer from ``source``.

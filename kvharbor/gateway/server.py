@@ -648,6 +648,10 @@ class Gateway:
     def _purge(self, selection: PurgeFilter, apply: bool, progress: _Progress) -> PurgeReport:
         """`kvharbor purge` through this gateway: every tier, its RAM tiers included."""
         assert self.store is not None
+        # A purge reads what the tiers hold: the writes queued for them land first (within
+        # the client's patience), or one would bring a purged value back after the purge.
+        if not self.store.settle(self.config.gateway.request_timeout_ms / 1000 / 2):
+            _log.warning("kvharbor: purge: the tiers' write queues did not drain in time; queued values may stay")
         report = purge(self.store.tiers, selection, apply, f"gateway pid {os.getpid()}", progress=progress)
         if apply:
             _log.info(

@@ -7,6 +7,7 @@ import math
 import time
 from collections.abc import Sequence
 
+from kvharbor.cache.tier import TierStatus
 from kvharbor.gateway.status import GatewayStatus, HitRate, RegisteredLayout
 from kvharbor.hal.base import CardStatus
 from kvharbor.ops.disk import TierOnDisk
@@ -84,6 +85,33 @@ def card_text(name: str, card: CardStatus) -> str:
     )
 
 
+def write_queue_text(tier: TierStatus) -> str | None:
+    """A tier's write queue in one line; None for a tier written at once."""
+    queue, counts = tier.write_queue, tier.counters
+    if queue is None:
+        return None
+    return (
+        f"write queue: {queue.depth} of {queue.depth_max} writes, {mib(queue.nbytes)} of {mib(queue.bytes_max)} "
+        f"({queue.workers} workers); {counts.async_flushed} written, {counts.async_dropped} dropped (queue full), "
+        f"{counts.async_unflushed} lost at shutdown"
+    )
+
+
+def codec_text(tier: TierStatus) -> str | None:
+    """What a tier's codec achieved in one line; None before it compressed anything."""
+    codec = tier.counters.codec
+    if codec.ratio is None:
+        return None
+
+    def speed(mb_per_s: float | None) -> str:
+        return "-" if mb_per_s is None else f"{mb_per_s:.0f} MiB/s"
+
+    return (
+        f"codec {tier.codec}: ratio {codec.ratio:.2f} over {codec.encoded_values} values; "
+        f"compresses at {speed(codec.encode_mb_per_s)}, decompresses at {speed(codec.decode_mb_per_s)}"
+    )
+
+
 def render_status(status: GatewayStatus) -> str:
     out = _lines(
         "gateway",
@@ -113,6 +141,7 @@ def render_status(status: GatewayStatus) -> str:
             f"{tier.name} [{tier.device_type}]: {status.tier_conditions()[tier.name]}; {mib(tier.used_bytes)} of "
             f"{mib(tier.capacity_bytes)}, {tier.keys} objects, {evictions} evictions, {corrupt} corrupt"
         )
+        tiers += [f"  {line}" for line in (write_queue_text(tier), codec_text(tier)) if line]
     tiers += [f"{name}: {why}" for name, why in status.store.skipped.items()]
     out += _lines("tiers", tiers)
     if status.cards:

@@ -20,8 +20,9 @@ a test keeps the two equal.
 from __future__ import annotations
 
 import enum
+import math
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -104,6 +105,53 @@ def _value(metric: MetricWrapperBase) -> float:
 # -- snapshots: what the status reads, from the same metric objects -----------------------------
 
 
+class CodecOp(enum.StrEnum):
+    """What a tier's codec did (the ``op`` label of ``kvharbor_tier_codec_*``)."""
+
+    ENCODE = "encode"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True, slots=True)
+class CodecStats:
+    """One tier's codec since the gateway started: what it compressed and decompressed, and
+    how fast. Only values its codec touched count (a tier of codec none has none)."""
+
+    encoded_values: int = 0
+    encode_raw_bytes: int = 0
+    encode_stored_bytes: int = 0
+    encode_seconds: float = 0.0
+    decoded_values: int = 0
+    decode_raw_bytes: int = 0
+    decode_seconds: float = 0.0
+    ratio: float | None = None
+    """Raw bytes over stored bytes of every value encoded; None before the first."""
+    encode_mb_per_s: float | None = None
+    """Raw MiB compressed per second of codec time; None before the first."""
+    decode_mb_per_s: float | None = None
+    """Raw MiB decompressed per second of codec time; None before the first."""
+
+    @classmethod
+    def of(cls, encoded: tuple[int, int, int, float], decoded: tuple[int, int, int, float]) -> CodecStats:
+        """From each op's (values, raw bytes, stored bytes, seconds)."""
+        return cls(
+            encoded_values=encoded[0],
+            encode_raw_bytes=encoded[1],
+            encode_stored_bytes=encoded[2],
+            encode_seconds=encoded[3],
+            decoded_values=decoded[0],
+            decode_raw_bytes=decoded[1],
+            decode_seconds=decoded[3],
+            ratio=encoded[1] / encoded[2] if encoded[2] else None,
+            encode_mb_per_s=_mib_per_s(encoded[1], encoded[3]),
+            decode_mb_per_s=_mib_per_s(decoded[1], decoded[3]),
+        )
+
+
+def _mib_per_s(nbytes: int, seconds: float) -> float | None:
+    return nbytes / (1 << 20) / seconds if seconds > 0 else None
+
+
 @dataclass(frozen=True, slots=True)
 class TierCounts:
     """One tier's counts since the gateway started (``kvharbor_tier_*`` series)."""
@@ -126,6 +174,13 @@ class TierCounts:
     stale: int = 0
     """Objects found written under another layout of this tier (a card's fragment size
     changed): misses, dropped, not corrupt."""
+    async_dropped: int = 0
+    """Writes refused by this tier's full queue (``storage.async_queue_depth``, ``async_queue_mb``)."""
+    async_flushed: int = 0
+    """Writes taken off this tier's queue and handed to the tier (its put outcomes say how they went)."""
+    async_unflushed: int = 0
+    """Writes still queued when the shutdown deadline passed (``storage.async_shutdown_deadline_s``): lost."""
+    codec: CodecStats = field(default_factory=CodecStats)
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,6 +250,44 @@ class TierFamilies:
         self.read_bytes = Counter(
             "kvharbor_tier_read_bytes_total", "Value bytes of the gets that hit", ["tier"], registry=registry
         )
+        self.async_dropped = Counter(
+            "kvharbor_tier_async_dropped_total", "Writes dropped: the tier's write queue was full", ["tier"],
+            registry=registry,
+        )  # fmt: skip
+        self.async_flushed = Counter(
+            "kvharbor_tier_async_flushed_total", "Writes taken off the tier's queue and written", ["tier"],
+            registry=registry,
+        )  # fmt: skip
+        self.async_unflushed = Counter(
+            "kvharbor_tier_async_unflushed_total", "Writes still queued at the shutdown deadline (lost)", ["tier"],
+            registry=registry,
+        )  # fmt: skip
+        self.async_depth = Gauge(
+            "kvharbor_tier_async_queue_depth", "Writes queued or being written now", ["tier"], registry=registry
+        )
+        self.async_bytes = Gauge(
+            "kvharbor_tier_async_queue_bytes", "Value bytes the tier's write queue holds now", ["tier"],
+            registry=registry,
+        )  # fmt: skip
+        self.codec_values = Counter(
+            "kvharbor_tier_codec_values_total", "Values the tier's codec compressed or decompressed", ["tier", "op"],
+            registry=registry,
+        )  # fmt: skip
+        self.codec_raw_bytes = Counter(
+            "kvharbor_tier_codec_raw_bytes_total", "Value bytes before compression or after decompression",
+            ["tier", "op"], registry=registry,
+        )  # fmt: skip
+        self.codec_stored_bytes = Counter(
+            "kvharbor_tier_codec_stored_bytes_total", "Bytes after compression or before decompression",
+            ["tier", "op"], registry=registry,
+        )  # fmt: skip
+        self.codec_seconds = Counter(
+            "kvharbor_tier_codec_seconds_total", "Time in the tier's codec", ["tier", "op"], registry=registry
+        )
+        self.compression_ratio = Gauge(
+            "kvharbor_tier_compression_ratio", "Raw over stored bytes of the values the tier's codec compressed",
+            ["tier"], registry=registry,
+        )  # fmt: skip
 
     def tier(self, name: str) -> TierMetrics:
         return TierMetrics(self, name)
@@ -218,6 +311,19 @@ class TierMetrics:
         self._evicted_bytes = families.evicted_bytes.labels(tier)
         self._written_bytes = families.written_bytes.labels(tier)
         self._read_bytes = families.read_bytes.labels(tier)
+        self._families = families
+        self._async_dropped = families.async_dropped.labels(tier)
+        self._async_flushed = families.async_flushed.labels(tier)
+        self._async_unflushed = families.async_unflushed.labels(tier)
+        self._codec = {
+            op: (
+                families.codec_values.labels(tier, op.value),
+                families.codec_raw_bytes.labels(tier, op.value),
+                families.codec_stored_bytes.labels(tier, op.value),
+                families.codec_seconds.labels(tier, op.value),
+            )
+            for op in CodecOp
+        }
 
     @classmethod
     def standalone(cls, tier: str) -> TierMetrics:
@@ -246,6 +352,42 @@ class TierMetrics:
         self._evictions.inc()
         self._evicted_bytes.inc(nbytes)
 
+    def watch_queue(self, depth: Callable[[], int], nbytes: Callable[[], int]) -> None:
+        """Read this tier's write queue (`kvharbor.cache.writequeue`) at every scrape: a tier
+        with one has ``kvharbor_tier_async_queue_*`` samples, a tier without none."""
+        self._families.async_depth.labels(self.tier).set_function(depth)
+        self._families.async_bytes.labels(self.tier).set_function(nbytes)
+
+    def async_dropped(self) -> None:
+        self._async_dropped.inc()
+
+    def async_flushed(self) -> None:
+        self._async_flushed.inc()
+
+    def async_unflushed(self, count: int) -> None:
+        self._async_unflushed.inc(count)
+
+    def codec(self, op: CodecOp, raw_bytes: int, stored_bytes: int, seconds: float) -> None:
+        """Count one value the codec compressed (``op`` encode) or decompressed."""
+        values, raw, stored, spent = self._codec[op]
+        values.inc()
+        raw.inc(raw_bytes)
+        stored.inc(stored_bytes)
+        spent.inc(seconds)
+
+    def watch_compression(self) -> None:
+        """Give this tier a ``kvharbor_tier_compression_ratio`` sample, read at every scrape
+        (a tier that compresses; NaN until its first value)."""
+        ratio = self._families.compression_ratio.labels(self.tier)
+        ratio.set_function(lambda: self.codec_stats().ratio or math.nan)
+
+    def codec_stats(self) -> CodecStats:
+        def read(op: CodecOp) -> tuple[int, int, int, float]:
+            values, raw, stored, spent = self._codec[op]
+            return int(_value(values)), int(_value(raw)), int(_value(stored)), _value(spent)
+
+        return CodecStats.of(read(CodecOp.ENCODE), read(CodecOp.DECODE))
+
     def snapshot(self) -> TierCounts:
         ops = {pair: int(_value(child)) for pair, child in self._ops.items()}
         return TierCounts(
@@ -261,6 +403,10 @@ class TierMetrics:
             full=ops[TierOp.PUT, Outcome.FULL],
             skipped=sum(n for (_, outcome), n in ops.items() if outcome is Outcome.SKIPPED),
             stale=int(_value(self._stale)),
+            async_dropped=int(_value(self._async_dropped)),
+            async_flushed=int(_value(self._async_flushed)),
+            async_unflushed=int(_value(self._async_unflushed)),
+            codec=self.codec_stats(),
         )
 
 

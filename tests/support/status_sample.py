@@ -6,6 +6,7 @@ from kvharbor.cache.keys import LayoutFingerprint
 from kvharbor.cache.refill import RefillStatus
 from kvharbor.cache.store import StoreStatus
 from kvharbor.cache.tier import TierStatus
+from kvharbor.cache.writequeue import WriteQueueStatus
 from kvharbor.gateway.status import (
     AttachedClient,
     DetachedClient,
@@ -15,7 +16,7 @@ from kvharbor.gateway.status import (
     ShmStatus,
 )
 from kvharbor.hal.base import CapacityUsage, CardStatus
-from kvharbor.telemetry.metrics import HitCounts, TierCounts
+from kvharbor.telemetry.metrics import CodecStats, HitCounts, TierCounts
 
 LAYOUT = LayoutFingerprint(model_id="tiny", chunk_size=16, kv_shapes=("L0:2x4x8:float32",), extra=(("device", "cpu"),))
 
@@ -27,8 +28,12 @@ def sample_status(temperature_c: float = 41.5) -> GatewayStatus:
     tier = TierStatus(
         name="card", device_type="nvme", codec="none", capacity_bytes=1 << 30, used_bytes=1 << 20, keys=3,
         health="degraded", health_detail="CapacityUsage WARNING", breaker="closed",
-        counters=TierCounts(puts=3, evictions=1), device_statuses={"1/81h": 2},
-        layouts={LAYOUT.digest().hex(): 2, UNREGISTERED: 1},
+        counters=TierCounts(
+            puts=3, evictions=1, async_dropped=2, async_flushed=5, async_unflushed=1,
+            codec=CodecStats.of((4, 4000, 1000, 0.001), (1, 1000, 250, 0.0005)),
+        ),
+        device_statuses={"1/81h": 2}, layouts={LAYOUT.digest().hex(): 2, UNREGISTERED: 1},
+        write_queue=WriteQueueStatus(depth=3, nbytes=3 << 20, depth_max=256, bytes_max=1 << 30, workers=2),
     )  # fmt: skip
     card = CardStatus(
         driver="sim", service="running", firmware_version="1.0", temperature_c=temperature_c, supercap="ok",

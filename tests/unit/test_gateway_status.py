@@ -9,7 +9,8 @@ import math
 import pytest
 
 from kvharbor.gateway.status import GatewayStatus, StatusFormError, peek_release, tier_condition
-from kvharbor.ops.status_text import layouts_text
+from kvharbor.ops.status_text import codec_text, layouts_text, render_status, write_queue_text
+from kvharbor.telemetry.metrics import CodecStats
 from tests.support.status_sample import LAYOUT, UNREGISTERED, sample_status
 
 
@@ -19,6 +20,22 @@ def test_the_json_form_round_trips_into_the_same_typed_status() -> None:
     assert again == status
     assert again.layouts[0].fingerprint.chunk_size == 16 and again.cards["card"].capacity_usage.value == "WARNING"
     assert again.store.tiers[0].layouts == {LAYOUT.digest().hex(): 2, UNREGISTERED: 1}
+    tier = again.store.tiers[0]
+    assert tier.write_queue is not None and tier.write_queue.depth == 3 and tier.counters.async_dropped == 2
+    assert tier.counters.codec.ratio == 4.0 and tier.counters.codec.decoded_values == 1
+
+
+def test_the_human_status_says_a_tier_s_write_queue_and_what_its_codec_achieved() -> None:
+    status = sample_status()
+    text = render_status(status)
+    assert (
+        "write queue: 3 of 256 writes, 3.0 MiB of 1.00 GiB (2 workers); 5 written, 2 dropped (queue full), "
+        "1 lost at shutdown" in text
+    ), text
+    assert "codec none: ratio 4.00 over 4 values; compresses at 4 MiB/s, decompresses at 2 MiB/s" in text
+    tier = status.store.tiers[0]
+    plain = dataclasses.replace(tier, write_queue=None, counters=dataclasses.replace(tier.counters, codec=CodecStats()))
+    assert write_queue_text(plain) is None and codec_text(plain) is None
 
 
 def test_each_registered_layout_shows_its_objects_per_tier_and_the_rest_are_unregistered() -> None:
