@@ -75,5 +75,5 @@ def test_a_real_gateway_with_a_simulated_card_hits_what_the_planner_predicts(tmp
     (predicted,) = sweep(requests, [CAPACITY_BLOCKS * BLOCK_TOKENS], BLOCK_TOKENS, Policy.LRU)
     measured_rate = measured / predicted.prompt_tokens
     print(f"planner {predicted.token_hit_rate:.4f} vs real gateway {measured_rate:.4f} at {CAPACITY_BLOCKS} chunks")
-    assert 0.05 < measured_rate, "the capacity is one where the cache matters"
+    assert measured_rate > 0.05, "the capacity is one where the cache matters"
     assert abs(predicted.token_hit_rate - measured_rate) <= 0.02
