@@ -97,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
         raise PlanInputError(f"--block-tokens: must be > 0 (got {args.block_tokens})")
     if args.target_hit_rate is not None and not 0 < args.target_hit_rate <= 1:
         raise PlanInputError(f"--target-hit-rate: must be in (0, 1] (got {args.target_hit_rate})")
+    if args.engines is not None and args.engines <= 0:
+        raise PlanInputError(f"--engines: must be > 0 (got {args.engines})")
     if args.ram_gb < 0:
         raise PlanInputError(f"--ram-gb: must be >= 0 (got {args.ram_gb})")
     policy = Policy.parse(args.policy)

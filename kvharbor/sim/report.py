@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvharbor.sim.fleet import FleetResult, Tier
-from kvharbor.sim.sweep import CapacityResult
+from kvharbor.sim.sweep import CapacityResult, smallest_reaching
 
 TTFT_QUANTILES = (0.5, 0.99)
 
@@ -53,8 +53,7 @@ class Plan:
     def smallest_reaching_target(self) -> CapacityResult | None:
         if self.target_hit_rate is None:
             return None
-        reaching = [p.sweep for p in self.points if p.sweep.token_hit_rate >= self.target_hit_rate]
-        return reaching[0] if reaching else None
+        return smallest_reaching([p.sweep for p in self.points], self.target_hit_rate)
 
 
 def fleet_document(result: FleetResult) -> dict[str, Any]:

@@ -135,7 +135,7 @@ class Arrivals:
 
     def times(self, rng: random.Random) -> Iterator[float]:
         if not self.rate_per_s > 0:
-            raise PlanInputError(f"rate_per_s: must be > 0 (got {self.rate_per_s})")
+            raise PlanInputError(f"--rate-per-s: must be > 0 (got {self.rate_per_s})")
         now = 0.0
         while True:
             yield now

@@ -72,6 +72,7 @@ def test_a_fleet_run_with_every_output(tmp_path: Path, capsys: pytest.CaptureFix
         (["--policy", "fifo"], "--policy: unknown policy 'fifo'"),
         (["--routing", "random"], "--routing: unknown routing 'random'"),
         (["--block-tokens", "0"], "--block-tokens: must be > 0"),
+        (["--engines", "0"], "--engines: must be > 0"),
     ],
 )
 def test_bad_flags_exit_2_naming_the_flag(

@@ -8,7 +8,7 @@ import dataclasses
 from kvharbor.hal.sim.params import CardParams
 from kvharbor.sim.caches import Policy
 from kvharbor.sim.cost import engine_cost
-from kvharbor.sim.fleet import FleetConfig, Routing, Tier, run_fleet
+from kvharbor.sim.fleet import FleetConfig, FleetResult, Routing, Tier, run_fleet
 from kvharbor.sim.workload import Arrivals, SystemPrompts, generate
 
 ENGINE = engine_cost("llama-3.1-8b", "h200")
@@ -16,7 +16,7 @@ WORKLOAD = SystemPrompts(prompts=8, prompt_tokens=16_384, user_tokens_mean=400)
 REQUESTS = 600
 
 
-def run(**settings: object) -> object:
+def run(**settings: object) -> FleetResult:
     config = FleetConfig(**{"engines": 4, "engine": ENGINE, "block_tokens": 512, "card_tokens": 0, **settings})  # type: ignore[arg-type]
     return run_fleet(config, generate(WORKLOAD, REQUESTS, 512, Arrivals(1.0), seed=1), REQUESTS)
 
