@@ -14,12 +14,14 @@ new whole blocks (a card write booked on the card's channels, off the request's
 path, as kvharbor saves). Decode is not simulated: TTFT is queueing, load and
 prefill.
 
-The load-or-recompute choice is the connector's: `kvharbor.cache.bandwidth.choose`
-on the predicted load time (fixed latency, RAM bytes at the restore bandwidth,
-card bytes at the card's or the restore bandwidth, the slower) and the
-recompute time of the same tokens; the card's actual transfer times come from
-the simulated card's channel model (`kvharbor.hal.sim.channels`), so concurrent
-loads and stores queue on its channels.
+The load-or-recompute choice is the connector's: each engine has its own
+`kvharbor.cache.bandwidth.LoadPlanner`, which answers "load" until it has seen a
+load, then compares the load time at the bandwidth it learned from the loads it
+made with the recompute time of the same tokens (`PrefillCost` FLOPs at the
+engine's rate). A load's actual time is the fixed latency, RAM bytes at the
+restore bandwidth, and the card part, timed by the simulated card's channel
+model (`kvharbor.hal.sim.channels`) so that concurrent loads and stores queue on
+its channels, pipelined with the copy into the GPU.
 """
 
 from __future__ import annotations
