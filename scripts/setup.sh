@@ -101,7 +101,7 @@ if ((${#to_remove[@]})); then
 fi
 step_done "uninstall torchvision/torchaudio/torchcodec"
 
-# --- 4. kvharbor itself (editable) with the test extra ------------------------------
+# --- 4. kvharbor itself (editable) with the test and plan extras ---------------------
 # Skipped when pyproject.toml is unchanged since the last successful editable install.
 STAMP="${VENV}/.kvharbor-pyproject.sha256"
 want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
@@ -109,8 +109,8 @@ if [[ -f "${STAMP}" && "$(cat "${STAMP}")" == "${want}" ]] \
     && "${PIP[@]}" show -q kvharbor >/dev/null 2>&1; then
     log "kvharbor already installed editable and pyproject.toml unchanged; skipping"
 else
-    log "pip install -e '.[test]'"
-    pip_quiet install -q -e '.[test]'
+    log "pip install -e '.[test,plan]'"
+    pip_quiet install -q -e '.[test,plan]'
     echo "${want}" >"${STAMP}"
 fi
 step_done "kvharbor editable install"
