@@ -18,8 +18,8 @@ from kvharbor.cache.keys import card_layout
 from kvharbor.cache.probe import ProbeFailed, probe_device
 from kvharbor.cache.store import TieredStore
 from kvharbor.cache.tier import Tier
-from kvharbor.config import MIB, Config, NvmeTierSection, TierSection
-from kvharbor.hal.base import CardDevice, Device, DeviceError, PersistentDevice, SelfDescribingDevice
+from kvharbor.config import MIB, Config, NvmeTierSection, S3TierSection, TierSection
+from kvharbor.hal.base import CardDevice, Device, DeviceError, PersistentDevice, SelfDescribingDevice, SharedDevice
 from kvharbor.hal.registry import open_device
 from kvharbor.telemetry.log import get_logger
 from kvharbor.telemetry.metrics import GatewayMetrics, TierMetrics
@@ -27,7 +27,16 @@ from kvharbor.telemetry.metrics import GatewayMetrics, TierMetrics
 _log = get_logger("kvharbor.cache.assembly")
 
 
-def open_index(device: Device, tier_name: str) -> TierIndex:
+def open_index(device: Device, tier_name: str, section: TierSection | None = None) -> TierIndex:
+    """The index of ``device``: a shared tier's (``section`` gives its settings), a
+    manifest beside a persistent device, or one in memory (rebuilt from a self-describing
+    device's headers)."""
+    if isinstance(device, SharedDevice):
+        from kvharbor.cache.shared import open_shared_index
+
+        if not isinstance(section, S3TierSection):
+            raise TypeError(f"tier '{tier_name}': a shared device needs its s3 tier section")
+        return open_shared_index(device, section)
     if isinstance(device, PersistentDevice):
         from kvharbor.cache.manifest import open_manifest
 
@@ -98,7 +107,7 @@ def open_tier(
                 )
         if storage.probe:
             probe_device(device, codec)
-        index = open_index(device, section.name)
+        index = open_index(device, section.name, section)
     except BaseException:
         device.close()
         raise
