@@ -149,6 +149,14 @@ Matcher = Callable[[str, str], bool]
 """Takes a request's method and path with query; True: the mode applies to it."""
 
 
+class _QuietServer(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that timed out and hung up mid-answer is what the faults are for.
+        return None
+
+
 class FaultProxy:
     """A real HTTP proxy on loopback in front of an S3 server; `mode` switches what it does
     with requests (those ``applies`` to, all by default), counting them in ``requests``."""
@@ -190,8 +198,7 @@ class FaultProxy:
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = handle_one
 
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
+        self._server = _QuietServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True, name="s3-fault-proxy")
         self._thread.start()
@@ -283,9 +290,12 @@ def shared_server() -> MotoServer:
         return _SHARED
 
 
-def test_device(server: MotoServer, max_value_bytes: int, url: str | None = None, **settings: Any) -> S3Device:
-    """An `S3Device` on a new bucket of ``server`` (reached at ``url``: a proxy in front of it)."""
-    section = S3TierSection.model_validate(s3_tier(url or server.url, server.bucket(), **settings))
+def s3_device_on(
+    server: MotoServer, max_value_bytes: int, url: str | None = None, bucket: str | None = None, **settings: Any
+) -> S3Device:
+    """An `S3Device` on ``bucket`` (by default a new one) of ``server``, reached at ``url``
+    (a proxy in front of it) or directly."""
+    section = S3TierSection.model_validate(s3_tier(url or server.url, bucket or server.bucket(), **settings))
     with credentials_in_env(server.credentials):
         return S3Device(section, max_value_bytes)
 
