@@ -54,9 +54,7 @@ class Credentials:
 class MotoServer:
     """``moto_server`` on ``host``, a port of the system's choice, as a child process."""
 
-    def __init__(
-        self, host: str = "127.0.0.1", prefix: list[str] | None = None, authenticated: bool = False
-    ) -> None:
+    def __init__(self, host: str = "127.0.0.1", prefix: list[str] | None = None, authenticated: bool = False) -> None:
         env = {**os.environ, **TEST_KEYS}
         if authenticated:
             # moto checks IAM after this many requests: the fixture's own three set up the user.

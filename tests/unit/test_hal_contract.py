@@ -26,7 +26,7 @@ from kvharbor.hal.sim.clock import ScaledClock, VirtualClock
 from kvharbor.hal.sim.device import SimCardDevice
 from kvharbor.hal.sim.params import CardParams
 from tests.support.nvme_kv_standin import KvNamespaceStandIn
-from tests.support.s3_server import shared_server, s3_device_on
+from tests.support.s3_server import s3_device_on, shared_server
 
 MAX_VALUE_BYTES = 64 * 1024
 DeviceFactory = Callable[[Path], Device]

@@ -31,9 +31,9 @@ from tests.support.s3_server import (
     MotoServer,
     credentials_in_env,
     moto_server,
+    s3_device_on,
     s3_tier,
     shared_server,
-    s3_device_on,
 )
 
 FINGERPRINT = LayoutFingerprint("m", 16).digest()
@@ -207,9 +207,7 @@ def test_another_host_hits_what_one_stored_and_damage_is_a_miss(server: MotoServ
 
 
 def test_a_value_above_the_threshold_goes_up_in_parts(server: MotoServer, proxy: FaultProxy) -> None:
-    device = s3_device_on(
-        server, 64 * MIB, url=proxy.url, multipart_threshold_mb=5, multipart_part_mb=5, sse="AES256"
-    )
+    device = s3_device_on(server, 64 * MIB, url=proxy.url, multipart_threshold_mb=5, multipart_part_mb=5, sse="AES256")
     try:
         value = os.urandom(12 * MIB)
         before = proxy.requests
