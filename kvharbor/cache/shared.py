@@ -47,6 +47,7 @@ from dataclasses import asdict, dataclass
 from kvharbor.cache.index import Entry, MemoryIndex, OverBudget, TierIndex, check_admission
 from kvharbor.config import S3TierSection
 from kvharbor.hal.base import Device, DeviceError, PreconditionFailed, Record, SharedDevice
+from kvharbor.periodic import Periodic
 from kvharbor.telemetry.log import OnceLog, get_logger
 
 _log = get_logger("kvharbor.cache.shared")
@@ -109,7 +110,8 @@ def host_id() -> str:
 
 class SharedIndex(TierIndex):
     """The index of a shared tier; see the module docstring. `admit` never returns victims:
-    the lease holder's sweep keeps the budget. `close` stops this host's sweeper."""
+    the lease holder's sweep keeps the budget. This host's sweeps run every
+    ``budget_interval_s`` from one interval after it opens; `close` stops them."""
 
     def __init__(self, device: Device, tier_name: str, settings: SharedSettings, holder: str | None = None) -> None:
         if not isinstance(device, SharedDevice):
@@ -125,9 +127,7 @@ class SharedIndex(TierIndex):
         self._shared: LeaseBody | None = None
         """The totals of the last sweep, read from the lease record."""
         self._once = OnceLog(_log)
-        self._stop = threading.Event()
-        self._sweeper = threading.Thread(target=self._sweep_forever, daemon=True, name=f"kvharbor-budget-{tier_name}")
-        self._sweeper.start()
+        self._sweeper = Periodic(f"kvharbor-budget-{tier_name}", settings.budget_interval_s, self._sweep_round).start()
 
     # -- TierIndex -----------------------------------------------------------
 
@@ -200,8 +200,7 @@ class SharedIndex(TierIndex):
         self._local.rebuild(entries)
 
     def close(self) -> None:
-        self._stop.set()
-        self._sweeper.join(timeout=self.settings.budget_interval_s + 30)
+        self._sweeper.stop()
 
     # -- the shared budget ---------------------------------------------------
 
@@ -264,17 +263,15 @@ class SharedIndex(TierIndex):
             _log.info("kvharbor: tier %s: %d abandoned uploads aborted", self.tier_name, aborted)
         return LeaseBody(self.holder, used, len(objects) - len(victims), lease.evicted + len(victims))
 
-    def _sweep_forever(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.sweep()
-            except DeviceError as err:
-                self._once.say(
-                    f"lease:{self.tier_name}",
-                    f"tier '{self.tier_name}': the shared budget could not be kept this round ({err}); trying again",
-                )
-            # Paces the rounds; also how close() ends the thread promptly.
-            self._stop.wait(self.settings.budget_interval_s)
+    def _sweep_round(self) -> None:
+        """One background `sweep`: a fault is said once (it recurs each round), not raised."""
+        try:
+            self.sweep()
+        except DeviceError as err:
+            self._once.say(
+                f"lease:{self.tier_name}",
+                f"tier '{self.tier_name}': the shared budget could not be kept this round ({err}); trying again",
+            )
 
     def _remember_absent(self, keys: Sequence[bytes], now_s: float) -> None:
         if not keys or self.settings.miss_ttl_s <= 0:
