@@ -4,7 +4,8 @@ A host's SQLite manifest is safe only among the processes of one host, so a
 shared tier is indexed differently:
 
 - **What is there** is the object store's answer, not a local table. Each host
-  keeps a `MemoryIndex` of what it knows (what it stored, what it found); a key
+  keeps a `MemoryIndex` of what it knows (what it stored, what it found; at most
+  the tier's budget of it, least recently used forgotten first); a key
   it does not know is asked of the store (a HEAD per key, in parallel), so host
   B finds what host A stored as soon as A's PUT returned (S3 is strongly
   consistent for reads after writes). A key found absent is not asked again for
@@ -53,8 +54,6 @@ from kvharbor.telemetry.log import OnceLog, get_logger
 _log = get_logger("kvharbor.cache.shared")
 
 LEASE_RECORD = "evictor-lease"
-UNBOUNDED_BYTES = 1 << 62
-"""The local index's budget: it never evicts on its own, the shared budget does."""
 ABSENT_ENTRIES_MAX = 100_000
 """Keys remembered as absent at most; past it the expired ones are forgotten."""
 
@@ -140,7 +139,7 @@ class SharedIndex(TierIndex):
             used = shared.used_bytes if shared is not None and shared.used_bytes >= 0 else self._local.used_bytes()
             if used + entry.nbytes > budget_bytes:
                 raise OverBudget(f"{entry.nbytes} bytes do not fit the free room of the shared budget {budget_bytes}")
-        self._local.admit(entry, UNBOUNDED_BYTES, pinned, behind)
+        self._remember(entry)
         with self._absent_lock:
             self._absent.pop(entry.key, None)
         return []
@@ -162,7 +161,7 @@ class SharedIndex(TierIndex):
             if size is not None:
                 # Values of a file or S3 tier are never fragmented (they are at most
                 # storage.value_mb_max): one object each. Its layout is learned if it is read.
-                self._local.admit(Entry(bytes(key), size, 1), UNBOUNDED_BYTES, behind=True)
+                self._remember(Entry(bytes(key), size, 1))
                 found.add(key)
         self._remember_absent([key for key in unknown if key not in found], now_s)
         return [here or key in found for key, here in zip(keys, present, strict=True)]
@@ -272,6 +271,12 @@ class SharedIndex(TierIndex):
                 f"lease:{self.tier_name}",
                 f"tier '{self.tier_name}': the shared budget could not be kept this round ({err}); trying again",
             )
+
+    def _remember(self, entry: Entry) -> None:
+        """Know ``entry`` is stored. What this host knows is bounded by the tier's budget:
+        past it the entries it used least recently are forgotten here (only here: their
+        objects stay, and a lookup asks the store for them again)."""
+        self._local.admit(entry, self.settings.capacity_bytes)
 
     def _remember_absent(self, keys: Sequence[bytes], now_s: float) -> None:
         if not keys or self.settings.miss_ttl_s <= 0:

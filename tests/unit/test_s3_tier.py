@@ -20,6 +20,7 @@ import pytest
 from kvharbor.cache.assembly import open_store
 from kvharbor.cache.breaker import BreakerState
 from kvharbor.cache.format import HEADER_BYTES
+from kvharbor.cache.index import Entry
 from kvharbor.cache.keys import LayoutFingerprint
 from kvharbor.cache.shared import LEASE_RECORD, LeaseBody, SharedIndex, SharedSettings
 from kvharbor.cache.store import TieredStore
@@ -373,3 +374,20 @@ def _age(device: S3Device) -> float:
     record = device.read_record(LEASE_RECORD)
     assert record is not None
     return record.age_s
+
+
+def test_what_a_host_remembers_is_bounded_and_what_it_forgot_is_asked_again(server: MotoServer) -> None:
+    device = s3_device_on(server, 1 * MIB)
+    index = SharedIndex(device, "s3", SharedSettings(10_000, 0, 3600, 7200, 3600), holder="h")
+    try:
+        keys = [bytes([n]) * 16 for n in range(6)]
+        for key in keys:
+            device.put(key, [b"v" * 3000])
+            assert index.admit(Entry(key, 3000, 1), 10_000) == []  # The shared sweep evicts, never admit.
+        assert index.get(keys[0]) is None and index.get(keys[-1]) is not None  # Forgotten here, oldest first.
+        assert len(index.lru(100)) == 3
+        assert index.contains(keys) == [True] * 6  # Asked of the store: all still there.
+        assert len(list(device.listing())) == 6
+    finally:
+        index.close()
+        device.close()
