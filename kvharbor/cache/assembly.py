@@ -16,6 +16,7 @@ from kvharbor.cache.format import HEADER_BYTES, Codec
 from kvharbor.cache.index import MemoryIndex, TierIndex
 from kvharbor.cache.keys import card_layout
 from kvharbor.cache.probe import ProbeFailed, probe_device
+from kvharbor.cache.shared import SharedIndex, SharedSettings
 from kvharbor.cache.store import TieredStore
 from kvharbor.cache.tier import Tier
 from kvharbor.config import MIB, Config, NvmeTierSection, S3TierSection, TierSection
@@ -32,11 +33,9 @@ def open_index(device: Device, tier_name: str, section: TierSection | None = Non
     manifest beside a persistent device, or one in memory (rebuilt from a self-describing
     device's headers)."""
     if isinstance(device, SharedDevice):
-        from kvharbor.cache.shared import open_shared_index
-
         if not isinstance(section, S3TierSection):
             raise TypeError(f"tier '{tier_name}': a shared device needs its s3 tier section")
-        return open_shared_index(device, section)
+        return SharedIndex(device, section.name, SharedSettings.of(section))
     if isinstance(device, PersistentDevice):
         from kvharbor.cache.manifest import open_manifest
 
@@ -116,7 +115,7 @@ def open_tier(
         BreakerSettings(cb.failure_ratio, cb.window, cb.cooldown_s, cb.probe_backoff_factor, cb.probe_interval_max_s)
     )
     reopen = (lambda: open_index(device, section.name)) if isinstance(device, PersistentDevice) else None
-    return Tier(
+    tier = Tier(
         section.name,
         device,
         index,
@@ -129,6 +128,9 @@ def open_tier(
         device_evicts=isinstance(device, CardDevice) and device.evicts_on_its_own and config.card.key_eviction,
         metrics=metrics,
     )
+    if isinstance(index, SharedIndex):
+        index.count_evictions(tier.metrics.evicted)  # The shared budget's sweeps evict, not `Tier.drop`.
+    return tier
 
 
 def open_store(

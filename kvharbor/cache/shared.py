@@ -42,12 +42,12 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 from kvharbor.cache.index import Entry, MemoryIndex, OverBudget, TierIndex, check_admission
 from kvharbor.config import S3TierSection
-from kvharbor.hal.base import Device, DeviceError, PreconditionFailed, Record, SharedDevice
+from kvharbor.hal.base import Device, DeviceError, PreconditionFailed, Record, SharedDevice, StoredObject
 from kvharbor.periodic import Periodic
 from kvharbor.telemetry.log import OnceLog, get_logger
 
@@ -126,7 +126,13 @@ class SharedIndex(TierIndex):
         self._shared: LeaseBody | None = None
         """The totals of the last sweep, read from the lease record."""
         self._once = OnceLog(_log)
+        self._count_eviction: Callable[[int], None] = _uncounted
         self._sweeper = Periodic(f"kvharbor-budget-{tier_name}", settings.budget_interval_s, self._sweep_round).start()
+
+    def count_evictions(self, evicted: Callable[[int], None]) -> None:
+        """Have each value this host's sweeps evict counted by ``evicted(nbytes)`` (its
+        tier's metrics: the sum over hosts is what the shared tier evicted)."""
+        self._count_eviction = evicted
 
     # -- TierIndex -----------------------------------------------------------
 
@@ -239,15 +245,17 @@ class SharedIndex(TierIndex):
         """List the tier, delete the oldest values above the budget, abort abandoned uploads."""
         objects = sorted(self._device.listing(), key=lambda stored: stored.modified_s)
         used = sum(stored.nbytes for stored in objects)
-        victims: list[bytes] = []
+        victims: list[StoredObject] = []
         for stored in objects:
             if used <= self.settings.capacity_bytes:
                 break
-            victims.append(stored.key)
+            victims.append(stored)
             used -= stored.nbytes
         if victims and time.monotonic() - renewed_at_s < self.settings.lease_s / 2:
-            self._device.delete_many(victims)
-            self._local.remove(victims)
+            self._device.delete_many([victim.key for victim in victims])
+            self._local.remove([victim.key for victim in victims])
+            for victim in victims:
+                self._count_eviction(victim.nbytes)
             _log.info(
                 "kvharbor: tier %s: %d values evicted to keep the shared budget of %g GiB",
                 self.tier_name,
@@ -255,7 +263,7 @@ class SharedIndex(TierIndex):
                 self.settings.capacity_bytes / 2**30,
             )
         else:
-            used += sum(stored.nbytes for stored in objects[: len(victims)])
+            used += sum(victim.nbytes for victim in victims)
             victims = []
         aborted = self._device.abort_uploads(self.settings.abandoned_upload_s)
         if aborted:
@@ -289,5 +297,5 @@ class SharedIndex(TierIndex):
                 self._absent[bytes(key)] = until_s
 
 
-def open_shared_index(device: Device, section: S3TierSection) -> SharedIndex:
-    return SharedIndex(device, section.name, SharedSettings.of(section))
+def _uncounted(_nbytes: int) -> None:
+    return None

@@ -23,6 +23,7 @@ from gateway_harness import (
 )
 
 from kvharbor.cache.shared import LEASE_RECORD, LeaseBody
+from kvharbor.cache.tier import TierStatus
 from tests.support.netns import HostNet, netns_works
 from tests.support.s3_server import MotoServer, s3_tier
 
@@ -80,6 +81,12 @@ def stored_bytes(s3: MotoServer, bucket: str) -> int:
     return sum(item["Size"] for page in pages for item in page.get("Contents", ()) if "_kvharbor/" not in item["Key"])
 
 
+def s3_status(gateway: GatewayProcess) -> TierStatus:
+    with closing_client(gateway.client("status")) as client:
+        (tier,) = [t for t in client.status().store.tiers if t.name == "s3"]
+    return tier
+
+
 def holder_pid(lease: LeaseBody | None) -> int | None:
     return None if lease is None else int(lease.holder.split(":")[1])
 
@@ -113,6 +120,14 @@ def test_three_hosts_share_one_s3_tier_and_its_budget(
     holder = holder_pid(lease)
     assert holder in pids, f"the lease is held by {lease.holder}, none of the gateways {sorted(pids)}"
     assert sum("values evicted to keep the shared budget" in gw.log() for gw in gateways.values()) == 1
+    # Each host's status shows the shared tier's totals; the holder's counts what it evicted.
+    for host, gateway in gateways.items():
+        wait_until(
+            lambda gateway=gateway: 0 < s3_status(gateway).used_bytes <= capacity_bytes,
+            f"host {host} showing the shared totals",
+        )
+        expected_evictions = lease.evicted if gateway.pid == holder else 0
+        assert s3_status(gateway).counters.evictions == expected_evictions, host
 
     # The holder dies; another host takes the lease over once it lapses and keeps the budget.
     gateways[pids[holder]].kill()
