@@ -178,6 +178,9 @@ class S3Device(Device, SharedDevice):
             try:
                 size = int(answer["ContentLength"])
                 if size > view.nbytes:
+                    # Replaced by a longer value (another host) since `size` said less: the
+                    # next `size` must say this one's, or the caller would never fit it.
+                    self._learn_size(key, size)
                     raise BufferTooSmall(self.name, size, view.nbytes)
                 got = 0
                 while got < size:

@@ -25,6 +25,7 @@ from kvharbor.cache.keys import LayoutFingerprint
 from kvharbor.cache.shared import LEASE_RECORD, LeaseBody, SharedIndex, SharedSettings
 from kvharbor.cache.store import TieredStore
 from kvharbor.config import MIB, ConfigError, S3TierSection, validate_config
+from kvharbor.hal.base import BufferTooSmall
 from kvharbor.hal.s3 import S3Device
 from tests.support.s3_server import (
     FaultProxy,
@@ -226,6 +227,7 @@ def test_a_value_above_the_threshold_goes_up_in_parts(server: MotoServer, proxy:
 WRITER = """
 import sys
 from kvharbor.config import S3TierSection
+from kvharbor.hal.base import BufferTooSmall
 from kvharbor.hal.s3 import S3Device
 section = S3TierSection.model_validate_json(sys.argv[1])
 device = S3Device(section, 64 << 20)
@@ -391,3 +393,22 @@ def test_what_a_host_remembers_is_bounded_and_what_it_forgot_is_asked_again(serv
     finally:
         index.close()
         device.close()
+
+
+def test_a_value_replaced_by_a_longer_one_elsewhere_is_read_after_one_miss(server: MotoServer) -> None:
+    # Host A knows the short value's size; host B replaces it with a longer one.
+    a = s3_device_on(server, 1 * MIB)
+    b = s3_device_on(server, 1 * MIB, bucket=a.bucket)
+    try:
+        a.put(bytes(16), [b"s" * 100])
+        assert a.size(bytes(16)) == 100
+        b.put(bytes(16), [b"L" * 5000])
+        with pytest.raises(BufferTooSmall):
+            a.get(bytes(16), memoryview(bytearray(a.size(bytes(16)) or 0)))
+        size = a.size(bytes(16))
+        assert size == 5000
+        into = memoryview(bytearray(size))
+        assert a.get(bytes(16), into) == 5000 and bytes(into) == b"L" * 5000
+    finally:
+        a.close()
+        b.close()
