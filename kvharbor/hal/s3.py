@@ -120,19 +120,17 @@ class S3Device(Device, SharedDevice):
             raise DeviceUnavailable(
                 self.name, f"tier '{self.name}': profile {section.profile!r} is not in the AWS config files"
             ) from None
-        self._client = session.client(
-            "s3",
-            endpoint_url=section.endpoint_url,
-            config=config.Config(
-                max_pool_connections=section.pool_connections,
-                connect_timeout=section.connect_timeout_ms / 1000,
-                read_timeout=section.read_timeout_ms / 1000,
-                retries={"total_max_attempts": section.retries_max + 1, "mode": "standard"},
-                request_checksum_calculation="when_required",
-                response_checksum_validation="when_required",
-                s3={"addressing_style": "path"} if section.endpoint_url else None,
-            ),
+        settings = config.Config(
+            max_pool_connections=section.pool_connections,
+            connect_timeout=section.connect_timeout_ms / 1000,
+            read_timeout=section.read_timeout_ms / 1000,
+            retries={"total_max_attempts": section.retries_max + 1, "mode": "standard"},
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+            s3={"addressing_style": "path"} if section.endpoint_url else None,
         )
+        # No region anywhere is no error: S3 then signs for us-east-1, as the AWS CLI does.
+        self._client = session.client("s3", endpoint_url=section.endpoint_url, config=settings)
         self._pool = ThreadPoolExecutor(section.pool_connections, thread_name_prefix=f"kvharbor-s3-{self.name}")
         self._sizes: OrderedDict[bytes, int] = OrderedDict()
         self._sizes_lock = threading.Lock()
@@ -340,7 +338,8 @@ class S3Device(Device, SharedDevice):
                 self.name, "no credentials in the AWS chain (environment, credentials file, profile, role)"
             ) from None
         except self._errors.BotoCoreError as err:
-            raise DeviceUnavailable(self.name, f"endpoint_url {where} does not answer: {err}") from None
+            named = f"endpoint_url {where}" if self.section.endpoint_url else where
+            raise DeviceUnavailable(self.name, f"{named} does not answer: {err}") from None
 
     def _head(self, key: bytes) -> int | None:
         name = self._name(key)
