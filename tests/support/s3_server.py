@@ -66,6 +66,8 @@ class MotoServer:
             stdin=subprocess.DEVNULL,
             env=env,
         )
+        self._clients: dict[str, Any] = {}
+        self._clients_lock = threading.Lock()
         self.host, self.port = self._wait_running()
         self.url = f"http://{self.host}:{self.port}"
         self.credentials = Credentials(TEST_KEYS["AWS_ACCESS_KEY_ID"], TEST_KEYS["AWS_SECRET_ACCESS_KEY"])
@@ -105,10 +107,18 @@ class MotoServer:
         return Credentials(key["AccessKeyId"], key["SecretAccessKey"])
 
     def client(self, url: str | None = None) -> Any:
-        """A plain boto3 client of the server, with the fixture's credentials."""
+        """A plain boto3 client of the server, with the fixture's credentials (one per
+        address, kept: making a client costs ~0.5 s here)."""
+        url = url or self.url
+        with self._clients_lock:
+            if url not in self._clients:
+                self._clients[url] = self._new_client(url)
+            return self._clients[url]
+
+    def _new_client(self, url: str) -> Any:
         return boto3.client(
             "s3",
-            endpoint_url=url or self.url,
+            endpoint_url=url,
             region_name=REGION,
             aws_access_key_id=self.credentials.access_key_id,
             aws_secret_access_key=self.credentials.secret_access_key,
