@@ -59,7 +59,7 @@ def start_hosts(
     for name, value in s3.credentials.env().items():
         monkeypatch.setenv(name, value)  # The gateways' AWS chain: their environment.
     tier = s3_tier(
-        s3.url, bucket, capacity_gb=CAPACITY_GB, budget_interval_s=0.5, lease_s=3.0, miss_ttl_ms=0, read_timeout_ms=5000
+        s3.url, bucket, capacity_gb=CAPACITY_GB, budget_interval_s=0.5, lease_s=8.0, miss_ttl_ms=0, read_timeout_ms=5000
     )
     gateways = {}
     for host in HOSTS:
@@ -85,6 +85,10 @@ def s3_status(gateway: GatewayProcess) -> TierStatus:
     with closing_client(gateway.client("status")) as client:
         (tier,) = [t for t in client.status().store.tiers if t.name == "s3"]
     return tier
+
+
+def settled(lease: LeaseBody | None, stored: int) -> bool:
+    return lease is not None and lease.used_bytes == stored
 
 
 def holder_pid(lease: LeaseBody | None) -> int | None:
@@ -115,6 +119,8 @@ def test_three_hosts_share_one_s3_tier_and_its_budget(
     capacity_bytes = int(CAPACITY_GB * 2**30)
     assert stored_bytes(s3, bucket) > capacity_bytes  # 41 values of 100 kB were written.
     wait_until(lambda: stored_bytes(s3, bucket) <= capacity_bytes, "the shared budget kept")
+    # Nothing is written now: once the lease record holds the totals of the last sweep, they are final.
+    wait_until(lambda: settled(lease_of(s3, bucket), stored_bytes(s3, bucket)), "the lease record's totals")
     lease = lease_of(s3, bucket)
     assert lease is not None and lease.evicted > 0
     holder = holder_pid(lease)
