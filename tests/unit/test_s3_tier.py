@@ -344,7 +344,7 @@ def test_one_lease_holder_keeps_the_budget_of_every_host(server: MotoServer) -> 
 
 def test_a_lapsed_lease_is_taken_over_by_exactly_one_host(server: MotoServer) -> None:
     bucket = server.bucket()
-    settings = SharedSettings(1 << 30, 0, 0.5, 3.0, 3600)
+    settings = SharedSettings(1 << 30, 0, 0.5, 6.0, 3600)
     devices = [s3_device_on(server, 1 * MIB, bucket=bucket) for _ in range(3)]
     first = SharedIndex(devices[0], "s3", settings, holder="first")
     try:
