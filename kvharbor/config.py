@@ -293,12 +293,13 @@ class S3TierSection(TierSection):
     asks again each step for a waiting request); a value another host stores meanwhile is
     found this much later at most. 0: ask every time."""
     budget_interval_s: float = Field(
-        10.0, gt=0, allow_inf_nan=False, description="seconds between two sweeps of the shared budget"
+        60.0, gt=0, allow_inf_nan=False, description="seconds between two sweeps of the shared budget"
     )
     """The host holding the evictor's lease lists the prefix this often and deletes the
     oldest values above ``capacity_gb``; the shared tier can exceed its budget by what all
-    hosts write in one interval."""
-    lease_s: float = Field(30.0, gt=0, allow_inf_nan=False, description="seconds the evictor's lease lasts unrenewed")
+    hosts write in one interval. A sweep lists every object (one LIST request per 1000):
+    a minute keeps that small for a prefix of millions."""
+    lease_s: float = Field(180.0, gt=0, allow_inf_nan=False, description="seconds the evictor's lease lasts unrenewed")
     abandoned_upload_s: float = Field(
         3600.0, gt=0, allow_inf_nan=False, description="age after which an unfinished multipart upload is aborted"
     )
