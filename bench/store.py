@@ -32,11 +32,14 @@ reference come from the same stretch of time):
   written from its queue (``async_writes: true``): what the engine's commit
   waits for. Each timed put starts with the queue empty (it is drained,
   untimed, after each), so the figure is a put's own, not a full queue's drop.
+- S3 tier ``put`` and ``get`` beside boto3's own PUT and GET of the same bytes against
+  the same server (moto started here, or ``--s3-endpoint``): see ``bench/s3.py``.
 
 Reads land in a reused buffer, as they do in the gateway (shared memory):
 allocating 32 MiB per read would time the page faults, not the store.
 
     .venv/bin/python bench/store.py [--dir DIR] [--mib 32] [--json]
+        [--no-s3 | --s3-endpoint URL --s3-bucket NAME]
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import best_seconds_interleaved, emit
+from s3 import s3_ratios, s3_server, s3_works
 
 from kvharbor.cache.assembly import open_store
 from kvharbor.cache.format import HEADER_BYTES
@@ -140,6 +144,9 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--no-s3", action="store_true", help="leave the S3 tier out")
+    parser.add_argument("--s3-endpoint", default=None, help="an S3 server to measure (default: moto, started here)")
+    parser.add_argument("--s3-bucket", default=None, help="its bucket (with --s3-endpoint)")
     args = parser.parse_args()
 
     size = args.mib * MIB
@@ -236,6 +243,15 @@ def main() -> None:
         "file_get_vs_raw_read": seconds["raw_read"] / seconds["file_get"],
         "ram_get_vs_memcpy": seconds["memcpy"] / seconds["ram_get"],
     }
+    if not args.no_s3:
+        with s3_server(args.s3_endpoint, args.s3_bucket) as server:
+            works, s3_store = s3_works(size, fingerprint, server)
+            try:
+                s3_seconds = best_seconds_interleaved(works, args.repeats)
+            finally:
+                s3_store.close()
+        gbps.update({f"{name}_GBps": size / s / 1e9 for name, s in s3_seconds.items()})
+        ratios.update(s3_ratios(s3_seconds))
     print(f"store throughput, {args.mib} MiB values (best of {args.repeats}):")
     emit({"value_MiB": args.mib, **gbps, **latencies}, ratios, args.json)
 

@@ -275,10 +275,78 @@ class NvmeTierSection(TierSection):
         return int(self.capacity_gb * GIB)
 
 
+S3_BUCKET_PATTERN = r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$"
+"""S3's rule for bucket names: 3-63 lowercase letters, digits, dots and hyphens."""
+
+
+class S3TierSection(TierSection):
+    """An S3-compatible object store (`kvharbor.hal.s3`), which several hosts may share.
+
+    Credentials come from the usual AWS chain (environment, shared credentials file,
+    instance or container role); the config names at most a ``profile`` of it, never keys.
+    ``capacity_gb`` is the budget of the bucket prefix as a whole, over every host that
+    shares it (`kvharbor.cache.shared`)."""
+
+    type: Literal["s3"] = "s3"
+    bucket: str = Field(pattern=S3_BUCKET_PATTERN)
+    prefix: str = Field("kvharbor/", max_length=512, pattern=r"^[^\x00-\x1f]*$")
+    """Every object of the tier is named ``<prefix><32 hex digits>``; its shared records
+    (the evictor's lease, the usage record) ``<prefix>_kvharbor/...``."""
+    endpoint_url: str | None = Field(None, pattern=r"^https?://[^\s/]+")
+    """An S3-compatible server (MinIO, Ceph, a test server); None: AWS for ``region``."""
+    region: str | None = Field(None, pattern=r"^[a-z0-9-]{1,32}$")
+    profile: str | None = Field(None, min_length=1)
+    """A profile of the shared AWS config and credentials files; None: the default chain."""
+    multipart_threshold_mb: int = Field(64, ge=5, le=4096, description="MiB above which a value is uploaded in parts")
+    """A single PUT is atomic; a multipart upload becomes visible only when it is completed,
+    so a writer that dies midway leaves nothing a reader sees (S3 needs parts of >= 5 MiB)."""
+    multipart_part_mb: int = Field(16, ge=5, le=4096, description="MiB per uploaded part")
+    pool_connections: int = Field(32, gt=0, le=1024, description="HTTP connections kept open to the server")
+    connect_timeout_ms: int = Field(2000, gt=0, description="longest wait for a connection to the server")
+    read_timeout_ms: int = Field(10_000, gt=0, description="longest silence of the server during one request")
+    retries_max: int = Field(2, ge=0, le=20, description="retries of a failed request (botocore's standard mode)")
+    sse: Literal["none", "AES256", "aws:kms"] = "none"
+    """Server-side encryption of every object written (``ServerSideEncryption``)."""
+    sse_kms_key_id: str | None = Field(None, min_length=1)
+    """The KMS key of ``sse: aws:kms`` (``SSEKMSKeyId``); None: the bucket's default key."""
+    miss_ttl_ms: int = Field(1000, ge=0, description="how long a key found absent is not asked again")
+    """A lookup of a key no host holds asks the server once per this interval (the engine
+    asks again each step for a waiting request); a value another host stores meanwhile is
+    found this much later at most. 0: ask every time."""
+    budget_interval_s: float = Field(
+        60.0, gt=0, allow_inf_nan=False, description="seconds between two sweeps of the shared budget"
+    )
+    """The host holding the evictor's lease lists the prefix this often and deletes the
+    oldest values above ``capacity_gb``; the shared tier can exceed its budget by what all
+    hosts write in one interval. A sweep lists every object (one LIST request per 1000):
+    a minute keeps that small for a prefix of millions."""
+    lease_s: float = Field(180.0, gt=0, allow_inf_nan=False, description="seconds the evictor's lease lasts unrenewed")
+    abandoned_upload_s: float = Field(
+        3600.0, gt=0, allow_inf_nan=False, description="age after which an unfinished multipart upload is aborted"
+    )
+    """Parts of an upload whose writer died are invisible to readers but stored (and billed);
+    the evictor aborts uploads older than this."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> S3TierSection:
+        if self.sse_kms_key_id is not None and self.sse != "aws:kms":
+            raise ValueError(f"sse_kms_key_id needs sse: aws:kms (sse is {self.sse!r})")
+        if self.multipart_part_mb > self.multipart_threshold_mb:
+            raise ValueError(
+                f"multipart_part_mb ({self.multipart_part_mb}) must not exceed "
+                f"multipart_threshold_mb ({self.multipart_threshold_mb})"
+            )
+        if self.lease_s <= self.budget_interval_s:
+            # The holder renews its lease once per sweep: a shorter lease would lapse between them.
+            raise ValueError(f"lease_s ({self.lease_s:g}) must exceed budget_interval_s ({self.budget_interval_s:g})")
+        return self
+
+
 TIER_TYPES: dict[str, type[TierSection]] = {
     "ram": RamTierSection,
     "file": FileTierSection,
     "nvme": NvmeTierSection,
+    "s3": S3TierSection,
 }
 """Tier type name -> its config model. Drivers register here with the HAL registry."""
 

@@ -16,11 +16,12 @@ from kvharbor.cache.format import HEADER_BYTES, Codec
 from kvharbor.cache.index import MemoryIndex, TierIndex
 from kvharbor.cache.keys import card_layout
 from kvharbor.cache.probe import ProbeFailed, probe_device
+from kvharbor.cache.shared import SharedIndex, SharedSettings
 from kvharbor.cache.store import AsyncWrites, TieredStore
 from kvharbor.cache.tier import Tier
 from kvharbor.cache.writequeue import WriteQueueSettings
-from kvharbor.config import MIB, Config, NvmeTierSection, TierSection
-from kvharbor.hal.base import CardDevice, Device, DeviceError, PersistentDevice, SelfDescribingDevice
+from kvharbor.config import MIB, Config, NvmeTierSection, S3TierSection, TierSection
+from kvharbor.hal.base import CardDevice, Device, DeviceError, PersistentDevice, SelfDescribingDevice, SharedDevice
 from kvharbor.hal.registry import open_device
 from kvharbor.telemetry.log import get_logger
 from kvharbor.telemetry.metrics import GatewayMetrics, TierMetrics
@@ -28,7 +29,14 @@ from kvharbor.telemetry.metrics import GatewayMetrics, TierMetrics
 _log = get_logger("kvharbor.cache.assembly")
 
 
-def open_index(device: Device, tier_name: str) -> TierIndex:
+def open_index(device: Device, tier_name: str, section: TierSection | None = None) -> TierIndex:
+    """The index of ``device``: a shared tier's (``section`` gives its settings), a
+    manifest beside a persistent device, or one in memory (rebuilt from a self-describing
+    device's headers)."""
+    if isinstance(device, SharedDevice):
+        if not isinstance(section, S3TierSection):
+            raise TypeError(f"tier '{tier_name}': a shared device needs its s3 tier section")
+        return SharedIndex(device, section.name, SharedSettings.of(section))
     if isinstance(device, PersistentDevice):
         from kvharbor.cache.manifest import open_manifest
 
@@ -99,7 +107,7 @@ def open_tier(
                 )
         if storage.probe:
             probe_device(device, codec)
-        index = open_index(device, section.name)
+        index = open_index(device, section.name, section)
     except BaseException:
         device.close()
         raise
@@ -108,7 +116,7 @@ def open_tier(
         BreakerSettings(cb.failure_ratio, cb.window, cb.cooldown_s, cb.probe_backoff_factor, cb.probe_interval_max_s)
     )
     reopen = (lambda: open_index(device, section.name)) if isinstance(device, PersistentDevice) else None
-    return Tier(
+    tier = Tier(
         section.name,
         device,
         index,
@@ -121,6 +129,9 @@ def open_tier(
         device_evicts=isinstance(device, CardDevice) and device.evicts_on_its_own and config.card.key_eviction,
         metrics=metrics,
     )
+    if isinstance(index, SharedIndex):
+        index.count_evictions(tier.metrics.evicted)  # The shared budget's sweeps evict, not `Tier.drop`.
+    return tier
 
 
 def open_store(

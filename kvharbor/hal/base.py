@@ -322,6 +322,66 @@ class PersistentDevice(ABC):
     def state_dir(self) -> str: ...
 
 
+class PreconditionFailed(DeviceError):
+    """A conditional write lost: another host changed (or created) the record first."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoredObject:
+    """One value object of a `SharedDevice`, as its listing names it."""
+
+    key: bytes
+    nbytes: int
+    modified_s: float
+    """When it was last written, in the server's clock (Unix seconds)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """A small named record of a `SharedDevice` (not a value) and its version."""
+
+    body: bytes
+    etag: str
+    """The version that a conditional write replacing this one must name."""
+    age_s: float
+    """Since it was last written, both ends in the server's clock (so hosts whose
+    clocks disagree agree on it)."""
+
+
+class SharedDevice(ABC):
+    """Mixin for devices that several hosts share (an object store): what the cache needs
+    to keep one budget for all of them (`kvharbor.cache.shared`).
+
+    Values stay the protocol's; beside them the device holds a few named records, written
+    with compare-and-swap semantics, so that hosts can agree on who evicts.
+    """
+
+    @abstractmethod
+    def sizes(self, keys: Sequence[bytes]) -> list[int | None]:
+        """Per key, the length of its value or None, asked in parallel."""
+
+    @abstractmethod
+    def listing(self) -> Iterator[StoredObject]:
+        """Every value object, with its size and when it was written."""
+
+    @abstractmethod
+    def delete_many(self, keys: Sequence[bytes]) -> None:
+        """Remove these values (absent ones are no error), in as few requests as the device allows."""
+
+    @abstractmethod
+    def read_record(self, name: str) -> Record | None: ...
+
+    @abstractmethod
+    def write_record(self, name: str, body: bytes, replaces: str | None) -> str:
+        """Write the record ``name`` only if it is absent (``replaces`` None) or still at the
+        version ``replaces``; returns the new version, raises `PreconditionFailed` otherwise."""
+
+    @abstractmethod
+    def abort_uploads(self, older_than_s: float) -> int:
+        """Abort the unfinished uploads begun more than ``older_than_s`` ago (writers that
+        died midway); returns how many."""
+
+
 class SelfDescribingDevice(ABC):  # noqa: B024 - a marker: what it promises is in the protocol.
     """Mixin for devices whose contents outlive the process and that need no index beside
     them (block mode: the store rebuilds its own from the region headers). The cache

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvharbor.config import CardSection, FileTierSection, NvmeTierSection, RamTierSection, TierSection
+from kvharbor.config import CardSection, FileTierSection, NvmeTierSection, RamTierSection, S3TierSection, TierSection
 from kvharbor.hal.base import Device
 
 DeviceFactory = Callable[[TierSection, CardSection, int], Device]
@@ -37,7 +37,14 @@ def _open_nvme(section: TierSection, card: CardSection, max_value_bytes: int) ->
     return open_card(section, card, max_value_bytes)
 
 
-_FACTORIES: dict[str, DeviceFactory] = {"ram": _open_ram, "file": _open_file, "nvme": _open_nvme}
+def _open_s3(section: TierSection, card: CardSection, max_value_bytes: int) -> Device:
+    from kvharbor.hal.s3 import open_s3_device
+
+    assert isinstance(section, S3TierSection)
+    return open_s3_device(section, max_value_bytes)
+
+
+_FACTORIES: dict[str, DeviceFactory] = {"ram": _open_ram, "file": _open_file, "nvme": _open_nvme, "s3": _open_s3}
 
 
 def register(type_name: str, factory: DeviceFactory) -> None:
