@@ -191,6 +191,7 @@ def test_another_host_hits_what_one_stored_and_damage_is_a_miss(server: MotoServ
         assert s3_only(b).contains([key]) == [False]  # Asked, absent: remembered for miss_ttl_ms.
         assert a.put(key, FINGERPRINT, b"v" * 5000)
         assert a.put(other, FINGERPRINT, b"w" * 5000)
+        assert a.settle(WAIT_S)  # The S3 tier, below RAM, is written from its queue.
         value = s3_only(b).read(other, FINGERPRINT)
         assert value is not None and bytes(value) == b"w" * 5000  # B never stored it: found on S3.
         assert s3_only(b).contains([key]) == [False]  # Still within miss_ttl_ms of its miss.
@@ -280,7 +281,8 @@ def test_a_failing_server_opens_the_breaker_and_its_return_closes_it(
     server: MotoServer, proxy: FaultProxy, fault: Mode, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO)
-    breaker = {"failure_ratio": 0.5, "window": 4, "cooldown_s": 0.2}
+    # A cooldown long enough to outlast the queue's failing writes: still open when read below.
+    breaker = {"failure_ratio": 0.5, "window": 4, "cooldown_s": 3.0}
     store = store_of(
         server,
         s3_tier(proxy.url, server.bucket(), read_timeout_ms=300, miss_ttl_ms=0),
@@ -290,9 +292,11 @@ def test_a_failing_server_opens_the_breaker_and_its_return_closes_it(
     try:
         keys = [bytes([n]) * 16 for n in range(8)]
         assert store.put(keys[0], FINGERPRINT, b"x" * 1000)
+        assert store.settle(WAIT_S)  # On S3 before the fault (the tier is written from its queue).
         proxy.mode(fault)
         for key in keys:
             store.put(key, FINGERPRINT, b"y" * 1000)  # Stored in RAM; the S3 write fails.
+        assert store.settle(WAIT_S)
         assert tier.breaker.state is BreakerState.OPEN
         assert tier.counters.errors >= 2
         assert bytes(store.get(keys[1], FINGERPRINT) or b"") == b"y" * 1000  # The RAM tier serves on.
