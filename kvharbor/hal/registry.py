@@ -8,7 +8,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvharbor.config import CardSection, FileTierSection, NvmeTierSection, RamTierSection, TierSection
+from kvharbor.config import (
+    CardSection,
+    FileTierSection,
+    IncompleteTierSection,
+    NfsTierSection,
+    NvmeTierSection,
+    OntapTierSection,
+    RamTierSection,
+    TierSection,
+)
 from kvharbor.hal.base import Device
 
 DeviceFactory = Callable[[TierSection, CardSection, int], Device]
@@ -37,7 +46,27 @@ def _open_nvme(section: TierSection, card: CardSection, max_value_bytes: int) ->
     return open_card(section, card, max_value_bytes)
 
 
-_FACTORIES: dict[str, DeviceFactory] = {"ram": _open_ram, "file": _open_file, "nvme": _open_nvme}
+def _open_nfs(section: TierSection, card: CardSection, max_value_bytes: int) -> Device:
+    from kvharbor.hal.nfs import open_nfs_device
+
+    assert isinstance(section, NfsTierSection)
+    return open_nfs_device(section, max_value_bytes)
+
+
+def _open_ontap(section: TierSection, card: CardSection, max_value_bytes: int) -> Device:
+    from kvharbor.hal.nfs import open_ontap_device
+
+    assert isinstance(section, OntapTierSection)
+    return open_ontap_device(section, max_value_bytes)
+
+
+_FACTORIES: dict[str, DeviceFactory] = {
+    "ram": _open_ram,
+    "file": _open_file,
+    "nvme": _open_nvme,
+    "nfs": _open_nfs,
+    "ontap": _open_ontap,
+}
 
 
 def register(type_name: str, factory: DeviceFactory) -> None:
@@ -52,7 +81,10 @@ def device_types() -> list[str]:
 
 
 def open_device(section: TierSection, card: CardSection, max_value_bytes: int) -> Device:
-    """Open the driver for ``section``; raises ValueError for an unknown type."""
+    """Open the driver for ``section``; raises ValueError for an unknown type or a section
+    that lacks required keys."""
+    if isinstance(section, IncompleteTierSection):
+        raise ValueError(section.reason)
     factory = _FACTORIES.get(section.type)
     if factory is None:
         known = ", ".join(device_types())
