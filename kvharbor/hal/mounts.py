@@ -68,11 +68,16 @@ class MountTable:
     mounts: Sequence[Mount]
     pnfs_layouts: Mapping[str, str] = field(default_factory=dict)
     """Mount point -> its pNFS layout driver, `PNFS_NOT_CONFIGURED` for an NFSv4 mount with none."""
+    source: str = MOUNTINFO_PATH
+    """The mountinfo file the table was read from (said in messages)."""
 
     @classmethod
-    def read(cls, mountinfo_path: str = MOUNTINFO_PATH, mountstats_path: str = MOUNTSTATS_PATH) -> MountTable:
-        """Read both files; raises OSError (mountinfo unreadable) or `MountTableError`.
-        A missing or unreadable mountstats only leaves pNFS unknown."""
+    def read(cls, mountinfo_path: str | None = None, mountstats_path: str | None = None) -> MountTable:
+        """Read both files (this process's, `MOUNTINFO_PATH` and `MOUNTSTATS_PATH`, by default);
+        raises OSError (mountinfo unreadable) or `MountTableError`. A missing or unreadable
+        mountstats only leaves pNFS unknown."""
+        mountinfo_path = mountinfo_path or MOUNTINFO_PATH
+        mountstats_path = mountstats_path or MOUNTSTATS_PATH
         with open(mountinfo_path, encoding="utf-8", errors="surrogateescape") as file:
             mounts = parse_mountinfo(file.read(), mountinfo_path)
         try:
@@ -80,7 +85,7 @@ class MountTable:
                 layouts = parse_pnfs_layouts(file.read())
         except OSError:
             layouts = {}
-        return cls(mounts, layouts)
+        return cls(mounts, layouts, mountinfo_path)
 
     def at(self, path: str) -> Mount | None:
         """The mount whose mount point is ``path`` (symlinks resolved), or None: a path

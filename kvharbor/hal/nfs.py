@@ -24,7 +24,7 @@ import os
 
 from kvharbor.config import NfsTierSection, OntapTierSection
 from kvharbor.hal.file import FileDevice, open_file_device
-from kvharbor.hal.mounts import MOUNTINFO_PATH, Mount, MountTable
+from kvharbor.hal.mounts import Mount, MountTable
 from kvharbor.telemetry.log import PREFIX, get_logger
 
 _log = get_logger("kvharbor.hal.nfs")
@@ -68,7 +68,7 @@ def nfs_mount(tier: str, kind: str, key: str, path: str, mounts: MountTable) -> 
     mount = mounts.at(os.path.expanduser(path))
     if mount is None:
         raise ValueError(
-            f"{kind} tier '{tier}': {key} {path} is not a mount point (not in {MOUNTINFO_PATH}); "
+            f"{kind} tier '{tier}': {key} {path} is not a mount point (not in {mounts.source}); "
             "mount the export before starting"
         )
     if not mount.is_nfs:
