@@ -628,14 +628,15 @@ class Config(_Section):
 
 
 def _brief(err: ValidationError) -> str:
-    """One line per problem: ``dotted.key: what is wrong (got value)``."""
+    """One line per problem: ``dotted.key: what is wrong (got value)``; a problem of a whole
+    section (a model validator's) names its keys in its own message."""
     lines = []
     for problem in err.errors():
-        where = ".".join(str(p) for p in problem["loc"]) or "(top level)"
+        where = ".".join(str(p) for p in problem["loc"])
         message = problem["msg"].removeprefix("Value error, ")
         got = problem.get("input")
         shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {got!r})"
-        lines.append(f"{where}: {message}{shown}")
+        lines.append(f"{where}: {message}{shown}" if where else f"{message}{shown}")
     return "; ".join(lines)
 
 
