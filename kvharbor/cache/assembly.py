@@ -22,6 +22,7 @@ from kvharbor.cache.store import TieredStore
 from kvharbor.cache.tier import Tier
 from kvharbor.config import FALLBACK_TIER, MIB, Config, FileTierSection, NvmeTierSection, TierSection
 from kvharbor.hal.base import CardDevice, Device, DeviceError, PersistentDevice, SelfDescribingDevice
+from kvharbor.hal.file import FileDevice
 from kvharbor.hal.registry import open_device
 from kvharbor.telemetry.log import get_logger
 from kvharbor.telemetry.metrics import GatewayMetrics, TierMetrics
@@ -33,7 +34,9 @@ def open_index(device: Device, tier_name: str) -> TierIndex:
     if isinstance(device, PersistentDevice):
         from kvharbor.cache.manifest import open_manifest
 
-        return open_manifest(device, tier_name)
+        manifest = open_manifest(device, tier_name)
+        _forget_interrupted(manifest, device, tier_name)
+        return manifest
     index = MemoryIndex()
     if isinstance(device, SelfDescribingDevice):
         from kvharbor.cache.recovery import recover_entries
@@ -48,6 +51,29 @@ def open_index(device: Device, tier_name: str) -> TierIndex:
             recovered.dropped,
         )
     return index
+
+
+def _forget_interrupted(index: TierIndex, device: Device, tier_name: str) -> None:
+    """Drop the entries of writes whose writer died before the value was in place.
+
+    A tier admits a value to its index before it writes it (admission reserves the
+    room), so a writer killed mid-write leaves an entry whose file never appeared;
+    its temp file, removed when the device opened, names the key. Only a dead
+    writer's temp files are removed, and a key is admitted once, so no live
+    writer's entry is dropped. (A writer killed between admission and creating its
+    temp file leaves no trace: that entry goes at its first read, which misses.)
+    """
+    if not isinstance(device, FileDevice) or not device.interrupted_keys:
+        return
+    keys = device.interrupted_keys
+    gone = [key for key, here in zip(keys, device.exists(keys), strict=True) if not here]
+    if gone:
+        index.remove(gone)
+        _log.info(
+            "kvharbor: tier %s: %d values whose write was interrupted (writer killed) dropped from its index",
+            tier_name,
+            len(gone),
+        )
 
 
 def outlives_the_gateway(device: Device) -> bool:
