@@ -292,6 +292,10 @@ class IncompleteTierSection(TierSection):
         keys = " and ".join(repr(key) for key in self.missing)
         return f"tier '{self.name}' (type {self.declared_type}) requires {keys}"
 
+    @property
+    def capacity_bytes(self) -> int:
+        raise ValueError(self.reason)  # Never opened: nothing may size anything by it.
+
 
 CARD_DEVICE_FORMS = "sim, sim:PARAMS.yaml, file:PATH or a device path (/dev/ngXnY, /dev/nvmeXnY)"
 

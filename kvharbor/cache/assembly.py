@@ -76,7 +76,7 @@ def _forget_interrupted(index: TierIndex, device: Device, tier_name: str) -> Non
         )
 
 
-def outlives_the_gateway(device: Device) -> bool:
+def _outlives_the_gateway(device: Device) -> bool:
     """A persistent tier's device: files (`PersistentDevice`) or a card, whose objects are
     found on it again when it opens (`SelfDescribingDevice`)."""
     return isinstance(device, (PersistentDevice, SelfDescribingDevice))
@@ -187,7 +187,7 @@ def open_store(
         if start_clean:
             _empty_at_start(tier)
         tiers.append(tier)
-    if config.storage.fallback_path is not None and not any(outlives_the_gateway(t.device) for t in tiers):
+    if config.storage.fallback_path is not None and not any(_outlives_the_gateway(t.device) for t in tiers):
         fallback = open_fallback(config, skipped, metrics, start_clean)
         if fallback is not None:
             tiers.append(fallback)
