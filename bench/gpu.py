@@ -277,7 +277,8 @@ def kvharbor_sections(
             "ring_wait_ms": 5000,
             **gateway,
         },
-        "storage": {"tiers": tiers, "probe": False, "value_mb_max": 64},
+        # No fallback tier: a RAM-only run measures RAM, not a disk written beside it.
+        "storage": {"tiers": tiers, "probe": False, "value_mb_max": 64, "fallback_path": None},
     }
 
 

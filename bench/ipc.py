@@ -97,6 +97,7 @@ def gateway(
                 "storage": {
                     "tiers": [{"name": "ram", "type": "ram", "capacity_gb": ram_gb}],
                     "value_mb_max": value_mb_max,
+                    "fallback_path": None,  # RAM only, as measured: no fallback tier beside it.
                 },
             }
         )

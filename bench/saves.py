@@ -112,7 +112,7 @@ def store_config(workdir: Path, tier: str, run: int) -> Path:
     config = {
         "gateway": {"socket": str(workdir / "run" / f"gw-{run}.sock"), "shm_name": f"kvh-saves-{uuid.uuid4().hex[:8]}",
                     "ring_mb": 256},
-        "storage": {"tiers": tiers},
+        "storage": {"tiers": tiers, "fallback_path": None},  # No fallback tier beside the RAM-only run.
     }  # fmt: skip
     path = store / "kvharbor.yaml"
     path.write_text(yaml.safe_dump(config))

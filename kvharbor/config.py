@@ -102,6 +102,15 @@ def default_cache_dir() -> Path:
     return Path(base) / "kvharbor"
 
 
+def default_fallback_dir() -> Path:
+    """Beside the default cache directory, not in it: a file tier's root holds only its own."""
+    return default_cache_dir().with_name("kvharbor-fallback")
+
+
+FALLBACK_TIER = "fallback"
+"""The name of the tier `storage.fallback_path` opens."""
+
+
 DERIVED = "derived"
 """The default of ``gateway.socket`` and ``gateway.shm_name``: a name of the config's own,
 derived from its `ConfigDigest` (see `gateway_address`)."""
@@ -248,6 +257,68 @@ class FileTierSection(TierSection):
     fanout_levels: int = Field(2, ge=0, le=3)
 
 
+class NfsTierSection(FileTierSection):
+    """A file tier on an NFS filesystem: ``path`` must be the mount point itself (as
+    ``/proc/self/mountinfo`` lists it), so that an export that is not mounted is never
+    written on the local disk under its empty mount point. Files as the file tier keeps them."""
+
+    type: Literal["nfs"] = "nfs"  # type: ignore[assignment]
+    async_writes: bool = True  # A filer: written from the queue, as the issue's slow tiers are.
+
+
+class OntapTierSection(FileTierSection):
+    """A file tier on an ONTAP export: ``mount`` is the NFS mount point, ``path`` the
+    directory on it the tier keeps its files in (the mount itself when left out).
+
+    ``protocol: pnfs_rdma`` asks for NFSv4.1+ with a pNFS layout over RDMA; a mount that is
+    not so is said once and served with plain NFS file I/O, unless ``strict_protocol``,
+    which makes the tier unavailable instead."""
+
+    type: Literal["ontap"] = "ontap"  # type: ignore[assignment]
+    async_writes: bool = True  # A filer, as an nfs tier.
+    mount: str = Field(min_length=1)
+    protocol: Literal["nfs", "pnfs_rdma"] = "nfs"
+    strict_protocol: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _path_defaults_to_the_mount(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and "path" not in data and isinstance(data.get("mount"), str):
+            return {**data, "path": data["mount"]}
+        return data
+
+    @model_validator(mode="after")
+    def _path_on_the_mount(self) -> OntapTierSection:
+        mount = os.path.normpath(os.path.expanduser(self.mount))
+        path = os.path.normpath(os.path.expanduser(self.path))
+        if not os.path.isabs(mount):
+            raise ValueError(f"mount: {self.mount!r} is not an absolute path")
+        if not os.path.isabs(path) or os.path.commonpath([mount, path]) != mount:
+            raise ValueError(f"path: {self.path!r} is not a directory on mount {self.mount!r}")
+        return self
+
+
+class IncompleteTierSection(TierSection):
+    """A tier whose section lacks required keys (and has nothing else wrong): the config
+    loads and the tier is skipped when the store opens, saying what is missing
+    (``tier <name> unavailable: ...``), so the rest of the cache keeps working."""
+
+    type: Literal["incomplete"] = "incomplete"
+    declared_type: str
+    """The ``type:`` the section was written with."""
+    missing: tuple[str, ...] = Field(min_length=1)
+    capacity_gb: float | None = Field(None, gt=0)  # type: ignore[assignment]
+
+    @property
+    def reason(self) -> str:
+        keys = " and ".join(repr(key) for key in self.missing)
+        return f"tier '{self.name}' (type {self.declared_type}) requires {keys}"
+
+    @property
+    def capacity_bytes(self) -> int:
+        raise ValueError(self.reason)  # Never opened: nothing may size anything by it.
+
+
 CARD_DEVICE_FORMS = "sim, sim:PARAMS.yaml, file:PATH or a device path (/dev/ngXnY, /dev/nvmeXnY)"
 
 
@@ -347,6 +418,8 @@ TIER_TYPES: dict[str, type[TierSection]] = {
     "file": FileTierSection,
     "nvme": NvmeTierSection,
     "s3": S3TierSection,
+    "nfs": NfsTierSection,
+    "ontap": OntapTierSection,
 }
 """Tier type name -> its config model. Drivers register here with the HAL registry."""
 
@@ -422,6 +495,21 @@ class StorageSection(_Section):
     its quiet value, at 512 and above at 9-11x (``bench/refill.py``: the refill competes for
     the gateway's interpreter lock and its cores); 24 GiB then refill in ~100 s."""
     backpressure: BackpressureSection = BackpressureSection()
+    fallback_path: str | None = Field(default_factory=lambda: str(default_fallback_dir()), min_length=1)
+    """Where writes go when no persistent tier opened (every configured one was skipped, or
+    none is configured): a file tier named ``fallback`` below the others, said in the log
+    and shown in status. Default ``$XDG_CACHE_HOME/kvharbor-fallback`` (~/.cache/...).
+    null: no fallback (a cache in RAM only, on purpose)."""
+    fallback_capacity_gb: float = Field(10.0, gt=0, allow_inf_nan=False, description="the fallback tier's GiB")
+
+    @model_validator(mode="after")
+    def _fallback_name_free(self) -> StorageSection:
+        if self.fallback_path is not None and FALLBACK_TIER in {tier.name for tier in self.tiers}:
+            raise ValueError(
+                f"tier name {FALLBACK_TIER!r} is the fallback tier's (storage.fallback_path); "
+                "rename the tier or set storage.fallback_path: null"
+            )
+        return self
 
     @field_validator("tiers", mode="before")
     @classmethod
@@ -443,7 +531,10 @@ class StorageSection(_Section):
             try:
                 typed.append(model.model_validate(tier))
             except ValidationError as err:
-                raise ValueError(f"tiers[{index}] ({tier.get('name', '?')}): {_brief(err)}") from None
+                incomplete = _incomplete(tier, err)
+                if incomplete is None:
+                    raise ValueError(f"tiers[{index}] ({tier.get('name', '?')}): {_brief(err)}") from None
+                typed.append(incomplete)
         names = [t.name for t in typed]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
@@ -453,6 +544,23 @@ class StorageSection(_Section):
             # One `card` section configures the card; several cards would need per-tier settings.
             raise ValueError(f"at most one nvme (card) tier; found {len(cards)}: {', '.join(cards)}")
         return typed
+
+
+def _incomplete(tier: Mapping[str, Any], err: ValidationError) -> IncompleteTierSection | None:
+    """The stand-in of a tier section whose only problems are missing keys other than its
+    name (a nameless tier cannot be reported, so it is refused); None otherwise."""
+    problems = err.errors()
+    if not all(problem["type"] == "missing" and len(problem["loc"]) == 1 for problem in problems):
+        return None
+    missing = tuple(str(problem["loc"][0]) for problem in problems)
+    if "name" in missing:
+        return None
+    try:
+        return IncompleteTierSection(
+            name=tier["name"], declared_type=str(tier["type"]), missing=missing, capacity_gb=tier.get("capacity_gb")
+        )
+    except ValidationError:
+        return None  # A bad name or capacity besides: refused with the original problems.
 
 
 CARD_REGION_SLACK_BYTES = 12 * 1024
@@ -637,14 +745,15 @@ class Config(_Section):
 
 
 def _brief(err: ValidationError) -> str:
-    """One line per problem: ``dotted.key: what is wrong (got value)``."""
+    """One line per problem: ``dotted.key: what is wrong (got value)``; a problem of a whole
+    section (a model validator's) names its keys in its own message."""
     lines = []
     for problem in err.errors():
-        where = ".".join(str(p) for p in problem["loc"]) or "(top level)"
+        where = ".".join(str(p) for p in problem["loc"])
         message = problem["msg"].removeprefix("Value error, ")
         got = problem.get("input")
         shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {got!r})"
-        lines.append(f"{where}: {message}{shown}")
+        lines.append(f"{where}: {message}{shown}" if where else f"{message}{shown}")
     return "; ".join(lines)
 
 

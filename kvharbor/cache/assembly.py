@@ -3,8 +3,10 @@
 Start-up is where misconfiguration is cheapest to explain. Each tier is opened
 and probed (write, read back, delete a small object through the real object
 format); a tier that fails is skipped with one log line that says why, and
-the cache runs on the tiers that work. With no working tier the store is
-empty and every lookup is a miss: the engine still serves.
+the cache runs on the tiers that work. With no persistent tier working (or
+none configured) writes go to a local fallback directory (`open_fallback`,
+``storage.fallback_path``). With no working tier at all the store is empty and
+every lookup is a miss: the engine still serves.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from kvharbor.cache.shared import SharedIndex, SharedSettings
 from kvharbor.cache.store import AsyncWrites, TieredStore
 from kvharbor.cache.tier import Tier
 from kvharbor.cache.writequeue import WriteQueueSettings
-from kvharbor.config import MIB, Config, NvmeTierSection, S3TierSection, TierSection
+from kvharbor.config import FALLBACK_TIER, MIB, Config, FileTierSection, NvmeTierSection, S3TierSection, TierSection
 from kvharbor.hal.base import CardDevice, Device, DeviceError, PersistentDevice, SelfDescribingDevice, SharedDevice
+from kvharbor.hal.file import FileDevice
 from kvharbor.hal.registry import open_device
 from kvharbor.telemetry.log import get_logger
 from kvharbor.telemetry.metrics import GatewayMetrics, TierMetrics
@@ -40,7 +43,9 @@ def open_index(device: Device, tier_name: str, section: TierSection | None = Non
     if isinstance(device, PersistentDevice):
         from kvharbor.cache.manifest import open_manifest
 
-        return open_manifest(device, tier_name)
+        manifest = open_manifest(device, tier_name)
+        _forget_interrupted(manifest, device, tier_name)
+        return manifest
     index = MemoryIndex()
     if isinstance(device, SelfDescribingDevice):
         from kvharbor.cache.recovery import recover_entries
@@ -55,6 +60,35 @@ def open_index(device: Device, tier_name: str, section: TierSection | None = Non
             recovered.dropped,
         )
     return index
+
+
+def _forget_interrupted(index: TierIndex, device: Device, tier_name: str) -> None:
+    """Drop the entries of writes whose writer died before the value was in place.
+
+    A tier admits a value to its index before it writes it (admission reserves the
+    room), so a writer killed mid-write leaves an entry whose file never appeared;
+    its temp file, removed when the device opened, names the key. Only a dead
+    writer's temp files are removed, and a key is admitted once, so no live
+    writer's entry is dropped. (A writer killed between admission and creating its
+    temp file leaves no trace: that entry goes at its first read, which misses.)
+    """
+    if not isinstance(device, FileDevice) or not device.interrupted_keys:
+        return
+    keys = device.interrupted_keys
+    gone = [key for key, here in zip(keys, device.exists(keys), strict=True) if not here]
+    if gone:
+        index.remove(gone)
+        _log.info(
+            "kvharbor: tier %s: %d values whose write was interrupted (writer killed) dropped from its index",
+            tier_name,
+            len(gone),
+        )
+
+
+def _outlives_the_gateway(device: Device) -> bool:
+    """A persistent tier's device: files (`PersistentDevice`) or a card, whose objects are
+    found on it again when it opens (`SelfDescribingDevice`)."""
+    return isinstance(device, (PersistentDevice, SelfDescribingDevice))
 
 
 def device_limit(section: TierSection, config: Config) -> int:
@@ -80,10 +114,14 @@ def tier_capacity(section: TierSection, device: Device) -> int:
 
 
 def open_tier(
-    section: TierSection, config: Config, device: Device | None = None, metrics: TierMetrics | None = None
+    section: TierSection,
+    config: Config,
+    device: Device | None = None,
+    metrics: TierMetrics | None = None,
+    fallback: bool = False,
 ) -> Tier:
     """Open one configured tier, counting in ``metrics`` (see `Tier`); raises ValueError,
-    DeviceError or ProbeFailed.
+    DeviceError or ProbeFailed. ``fallback``: it is the store's fallback tier (`open_fallback`).
 
     A card device gets the `card` section's settings first: key eviction as
     configured, and its fragment size (its largest object) in the layout of
@@ -128,6 +166,7 @@ def open_tier(
         layout=card_layout(device.max_value_bytes) if is_card else b"",
         device_evicts=isinstance(device, CardDevice) and device.evicts_on_its_own and config.card.key_eviction,
         metrics=metrics,
+        fallback=fallback,
     )
     if isinstance(index, SharedIndex):
         index.count_evictions(tier.metrics.evicted)  # The shared budget's sweeps evict, not `Tier.drop`.
@@ -158,13 +197,12 @@ def open_store(
             skipped[section.name] = f"unavailable: {err}"
             continue
         if start_clean:
-            removed = tier.clear()
-            _log.info(
-                "kvharbor: tier %s emptied at start (--start-clean=1): %d objects removed",
-                tier.name,
-                removed,
-            )
+            _empty_at_start(tier)
         tiers.append(tier)
+    if config.storage.fallback_path is not None and not any(_outlives_the_gateway(t.device) for t in tiers):
+        fallback = open_fallback(config, skipped, metrics, start_clean)
+        if fallback is not None:
+            tiers.append(fallback)
     if not tiers:
         _log.error("kvharbor: no usable storage tier; every lookup is a miss until the tiers are fixed")
     else:
@@ -184,3 +222,40 @@ def async_writes(config: Config) -> AsyncWrites:
         queue=WriteQueueSettings(storage.async_queue_depth, storage.async_queue_mb * MIB, storage.async_workers),
         shutdown_deadline_s=storage.async_shutdown_deadline_s,
     )
+
+
+def open_fallback(
+    config: Config, skipped: Mapping[str, str], metrics: GatewayMetrics, start_clean: bool
+) -> Tier | None:
+    """The file tier at ``storage.fallback_path``, for a store that opened no persistent tier;
+    None (said in the log) where it does not open either."""
+    storage = config.storage
+    assert storage.fallback_path is not None
+    section = FileTierSection(name=FALLBACK_TIER, path=storage.fallback_path, capacity_gb=storage.fallback_capacity_gb)
+    why = "skipped: " + ", ".join(skipped) if skipped else "none configured"
+    try:
+        tier = open_tier(section, config, None, metrics.tiers.tier(FALLBACK_TIER), fallback=True)
+    except (ProbeFailed, ValueError, DeviceError, OSError) as err:
+        _log.error(
+            "kvharbor: no persistent tier available (%s), and the local fallback %s does not open either (%s); "
+            "nothing outlives the gateway (storage.fallback_path)",
+            why,
+            storage.fallback_path,
+            err,
+        )
+        return None
+    if start_clean:
+        _empty_at_start(tier)
+    _log.warning(
+        "kvharbor: no persistent tier available (%s); writing KV to local fallback %s (%g GiB, "
+        "storage.fallback_path, storage.fallback_capacity_gb)",
+        why,
+        tier.device.state_dir if isinstance(tier.device, PersistentDevice) else storage.fallback_path,
+        storage.fallback_capacity_gb,
+    )
+    return tier
+
+
+def _empty_at_start(tier: Tier) -> None:
+    removed = tier.clear()
+    _log.info("kvharbor: tier %s emptied at start (--start-clean=1): %d objects removed", tier.name, removed)

@@ -129,6 +129,8 @@ class TierStatus:
     the stored digest where this tier cannot tell the engine's (see `Tier.engine_fingerprint`)."""
     write_queue: WriteQueueStatus | None = None
     """The tier's write queue, when it is written asynchronously (filled by the store)."""
+    fallback: bool = False
+    """The local fallback tier, opened because no configured persistent tier did (``storage.fallback_path``)."""
 
 
 class Tier:
@@ -145,13 +147,15 @@ class Tier:
         layout: bytes = b"",
         device_evicts: bool = False,
         metrics: TierMetrics | None = None,
+        fallback: bool = False,
     ) -> None:
         """``layout``: this tier's own settings that change the bytes it stores (a card's
         fragment size, `kvharbor.cache.keys.card_layout`); they enter the fingerprint of
         every object it stores, so that a change of them makes this tier's objects misses
         and no other tier's. ``device_evicts``: the device drops keys on its own (a card
         with key eviction on), so it, not the index, says what is here. ``metrics``: where
-        this tier counts (the gateway's registry); a registry of its own without one."""
+        this tier counts (the gateway's registry); a registry of its own without one.
+        ``fallback``: the store's local fallback tier (shown as such in `status`)."""
         assert capacity_bytes > 0, capacity_bytes
         self.name = name
         self.device = device
@@ -167,6 +171,7 @@ class Tier:
         self._once = OnceLog(_log)
         self.layout = layout
         self.device_evicts = device_evicts
+        self.fallback = fallback
         self._stored_fingerprints: dict[bytes, bytes] = {}
         """Engine fingerprint -> the one this tier stores under (a few layouts per process)."""
         self._engine_fingerprints: dict[bytes, bytes] = {}
@@ -648,6 +653,7 @@ class Tier:
             counters=self.counters,
             device_statuses=self.device.status_counts() if isinstance(self.device, CardDevice) else {},
             layouts=self.layout_counts(),
+            fallback=self.fallback,
         )
 
     def close(self) -> None:

@@ -104,6 +104,9 @@ class FileDevice(Device, PersistentDevice):
         self.temp_stale_after_s = temp_stale_after_s
         self.free_ratio_degraded = free_ratio_degraded
         self._machine = this_machine()
+        self.interrupted_keys: list[bytes] = []
+        """Keys whose temp files `__init__` removed: writes whose writer died (see
+        `kvharbor.cache.assembly.open_index`, which drops their index entries)."""
         self._open_root()
         try:
             removed = self._remove_abandoned_temps()
@@ -399,6 +402,9 @@ class FileDevice(Device, PersistentDevice):
                     continue  # Its writer finished.
                 if abandoned(entry.name, age_s, self._machine, self.temp_stale_after_s):
                     removed += _remove_quietly(entry.path)
+                    stem = entry.name.split(".", 1)[0]
+                    if _KEY_NAME.fullmatch(stem):
+                        self.interrupted_keys.append(bytes.fromhex(stem))
         return removed
 
     def _all_directories(self) -> Iterator[str]:

@@ -8,7 +8,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvharbor.config import CardSection, FileTierSection, NvmeTierSection, RamTierSection, S3TierSection, TierSection
+from kvharbor.config import (
+    CardSection,
+    FileTierSection,
+    IncompleteTierSection,
+    NfsTierSection,
+    NvmeTierSection,
+    OntapTierSection,
+    RamTierSection,
+    S3TierSection,
+    TierSection,
+)
 from kvharbor.hal.base import Device
 
 DeviceFactory = Callable[[TierSection, CardSection, int], Device]
@@ -44,7 +54,28 @@ def _open_s3(section: TierSection, card: CardSection, max_value_bytes: int) -> D
     return open_s3_device(section, max_value_bytes)
 
 
-_FACTORIES: dict[str, DeviceFactory] = {"ram": _open_ram, "file": _open_file, "nvme": _open_nvme, "s3": _open_s3}
+def _open_nfs(section: TierSection, card: CardSection, max_value_bytes: int) -> Device:
+    from kvharbor.hal.nfs import open_nfs_device
+
+    assert isinstance(section, NfsTierSection)
+    return open_nfs_device(section, max_value_bytes)
+
+
+def _open_ontap(section: TierSection, card: CardSection, max_value_bytes: int) -> Device:
+    from kvharbor.hal.nfs import open_ontap_device
+
+    assert isinstance(section, OntapTierSection)
+    return open_ontap_device(section, max_value_bytes)
+
+
+_FACTORIES: dict[str, DeviceFactory] = {
+    "ram": _open_ram,
+    "file": _open_file,
+    "nvme": _open_nvme,
+    "s3": _open_s3,
+    "nfs": _open_nfs,
+    "ontap": _open_ontap,
+}
 
 
 def register(type_name: str, factory: DeviceFactory) -> None:
@@ -59,7 +90,10 @@ def device_types() -> list[str]:
 
 
 def open_device(section: TierSection, card: CardSection, max_value_bytes: int) -> Device:
-    """Open the driver for ``section``; raises ValueError for an unknown type."""
+    """Open the driver for ``section``; raises ValueError for an unknown type or a section
+    that lacks required keys."""
+    if isinstance(section, IncompleteTierSection):
+        raise ValueError(section.reason)
     factory = _FACTORIES.get(section.type)
     if factory is None:
         known = ", ".join(device_types())

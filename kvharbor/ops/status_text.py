@@ -138,7 +138,8 @@ def render_status(status: GatewayStatus) -> str:
     for tier in status.store.tiers:
         evictions, corrupt = tier.counters.evictions, tier.counters.corrupt
         tiers.append(
-            f"{tier.name} [{tier.device_type}]: {status.tier_conditions()[tier.name]}; {mib(tier.used_bytes)} of "
+            f"{tier.name} [{tier.device_type}{', fallback' if tier.fallback else ''}]: "
+            f"{status.tier_conditions()[tier.name]}; {mib(tier.used_bytes)} of "
             f"{mib(tier.capacity_bytes)}, {tier.keys} objects, {evictions} evictions, {corrupt} corrupt"
         )
         tiers += [f"  {line}" for line in (write_queue_text(tier), codec_text(tier)) if line]

@@ -124,7 +124,9 @@ class Lab:
                 "shm_reserve_mb": 0,
             },
             "storage": {
-                "tiers": tiers or [{"name": "local", "type": "file", "path": str(self.cache), "capacity_gb": 2}]
+                "tiers": tiers or [{"name": "local", "type": "file", "path": str(self.cache), "capacity_gb": 2}],
+                # A lab sees the tiers it names: no fallback tier in the user's cache directory.
+                "fallback_path": None,
             },
             # Ports the system picks: labs run side by side on one host.
             "dashboard": {"port": 0},

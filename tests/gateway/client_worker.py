@@ -107,6 +107,13 @@ def main(mode: str, config_path: str, *args: str) -> int:
     client = GatewayClient.connect(config.gateway, f"worker-{mode}")
     if mode == "roundtrip":
         say(f"checked {roundtrip(client, int(args[0]), shared_items(), int(args[1]))}")
+    elif mode == "put-forever":
+        # Key n = n.to_bytes(16), one value per put, each acknowledged once stored, until killed.
+        nbytes = int(args[0])
+        for n in range(1 << 30):
+            key = n.to_bytes(16, "big")
+            stored = put_values(client, [(key, nbytes)])
+            say(f"stored {n} {stored}")
     elif mode == "hold-put":
         nbytes, count = int(args[0]), int(args[1])
         items = [(bytes([i]) * 16, nbytes) for i in range(count)]

@@ -62,8 +62,8 @@ def write_config(
 ) -> Path:
     """A config of its own for one test: socket in ``directory``, a unique shm_name, the
     dashboard and /metrics on ports the system picks (tests run side by side);
-    ``storage``, ``dashboard``, ``telemetry``: more settings of those sections; ``card``:
-    the card section."""
+    ``storage``, ``dashboard``, ``telemetry``: more settings of those sections (no
+    ``storage.fallback_path`` unless ``storage`` names one); ``card``: the card section."""
     directory.mkdir(parents=True, exist_ok=True)
     section: dict[str, Any] = {
         "mode": "service",
@@ -80,6 +80,8 @@ def write_config(
         "storage": {
             "tiers": tiers or [{"name": "ram", "type": "ram", "capacity_gb": 0.25}],
             "probe": True,
+            # A test sees the tiers it names: no fallback tier in the user's cache directory.
+            "fallback_path": None,
             **(storage or {}),
         },
         "dashboard": {"port": 0, **(dashboard or {})},

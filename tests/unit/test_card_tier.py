@@ -44,7 +44,8 @@ def card_config(**card: object) -> dict[str, object]:
             "tiers": [
                 {"name": "ram", "type": "ram", "capacity_gb": 0.001},
                 {"name": "card", "type": "nvme", "device": "sim"},
-            ]
+            ],
+            "fallback_path": None,  # A skipped card leaves RAM alone, no fallback tier.
         },
         "card": card,
     }
@@ -79,11 +80,11 @@ def test_a_card_tier_needs_no_capacity_and_takes_the_devices() -> None:
     ("tier", "named"),
     [
         ({"name": "card", "type": "nvme", "device": "ng0n1"}, "device: expected sim, sim:PARAMS.yaml"),
-        ({"name": "card", "type": "nvme"}, "device"),
         ({"name": "card", "type": "nvme", "device": "sim", "capacity_gb": 0}, "capacity_gb"),
     ],
 )
 def test_a_bad_card_tier_is_refused_naming_the_key(tier: dict[str, object], named: str) -> None:
+    # A missing device is not refused: the tier is skipped naming it (tests/unit/test_tier_config.py).
     with pytest.raises(ConfigError, match=named):
         validate_config({"storage": {"tiers": [tier]}})
 
@@ -112,7 +113,8 @@ def test_a_card_that_cannot_open_is_skipped_and_the_others_serve(
                 "tiers": [
                     {"name": "ram", "type": "ram", "capacity_gb": 0.001},
                     {"name": "card", "type": "nvme", **tier},
-                ]
+                ],
+                "fallback_path": None,
             }
         }
     )
@@ -125,7 +127,8 @@ def test_a_card_that_cannot_open_is_skipped_and_the_others_serve(
 def test_a_bad_parameter_file_names_its_key(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     params = tmp_path / "card.yaml"
     params.write_text("channel: 4\n")
-    config = validate_config({"storage": {"tiers": [{"name": "card", "type": "nvme", "device": f"sim:{params}"}]}})
+    tiers = [{"name": "card", "type": "nvme", "device": f"sim:{params}"}]
+    config = validate_config({"storage": {"tiers": tiers, "fallback_path": None}})
     with caplog.at_level(logging.WARNING):
         store = open_store(config)
     assert store.tiers == []

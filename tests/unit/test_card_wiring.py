@@ -103,7 +103,8 @@ def test_a_bad_card_tier_is_skipped_and_the_ram_tier_serves(tmp_path: Path) -> N
                 "tiers": [
                     {"name": "ram", "type": "ram", "capacity_gb": 1 / 1024},
                     {"name": "card", "type": "nvme", "device": "/dev/null"},
-                ]
+                ],
+                "fallback_path": None,  # The RAM tier alone serves, no fallback tier beside it.
             }
         }
     )

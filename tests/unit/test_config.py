@@ -119,11 +119,7 @@ def _tiers(*tiers: dict[str, Any]) -> dict[str, Any]:
             ["storage.tiers", "unique", "ram"],
             id="duplicate tier names",
         ),
-        pytest.param(
-            _tiers({"name": "disk", "type": "file", "capacity_gb": 1}),
-            ["storage.tiers", "tiers[0] (disk)", "path"],
-            id="file tier without path",
-        ),
+        # A file tier without path is not refused: it is skipped naming it (tests/unit/test_tier_config.py).
         pytest.param({"gateway": {"linger_s": -1}}, ["gateway.linger_s", "greater than or equal"], id="linger < 0"),
         pytest.param({"gateway": {"linger_s": "abc"}}, ["gateway.linger_s", "'abc'"], id="linger not a number"),
         pytest.param({"gateway": {"linger_s": "nan"}}, ["gateway.linger_s", "finite"], id="linger nan"),

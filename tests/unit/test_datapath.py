@@ -336,7 +336,11 @@ def gateway_config(tmp_path: Path) -> Iterator[Any]:
         {},
         overrides={
             "gateway": {"socket": str(tmp_path / "gw.sock"), "shm_name": name, "ring_mb": 64, "ring_mb_min": 16},
-            "storage": {"tiers": [{"name": "ram", "type": "ram", "capacity_gb": 0.25}], "probe": False},
+            "storage": {
+                "tiers": [{"name": "ram", "type": "ram", "capacity_gb": 0.25}],
+                "probe": False,
+                "fallback_path": None,
+            },
         },
     )
     yield config

@@ -333,7 +333,8 @@ def test_clear_empties_every_tier() -> None:
 
 
 def _ram_tiers_config(*tiers: tuple[str, float]) -> dict[str, object]:
-    return {"storage": {"tiers": [{"name": n, "type": "ram", "capacity_gb": gb} for n, gb in tiers]}}
+    tiers_section = [{"name": n, "type": "ram", "capacity_gb": gb} for n, gb in tiers]
+    return {"storage": {"tiers": tiers_section, "fallback_path": None}}
 
 
 def test_open_store_skips_a_tier_that_fails_its_probe(caplog: pytest.LogCaptureFixture) -> None:

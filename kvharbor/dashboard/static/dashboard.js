@@ -58,7 +58,7 @@ function showStatus(status) {
     const row = body.insertRow();
     const healthy = tier.health === "ok";
     cell(row, tier.name);
-    cell(row, tier.device_type);
+    cell(row, tier.device_type + (tier.fallback ? " (fallback)" : ""));
     cell(row, tier.health + (tier.health_detail ? ` (${tier.health_detail})` : ""), healthy ? "ok" : "bad");
     cell(row, tier.breaker, tier.breaker === "closed" ? "ok" : "bad");
     cell(row, bytes(tier.used_bytes));
