@@ -86,9 +86,10 @@ def _forget_interrupted(index: TierIndex, device: Device, tier_name: str) -> Non
 
 
 def _outlives_the_gateway(device: Device) -> bool:
-    """A persistent tier's device: files (`PersistentDevice`) or a card, whose objects are
-    found on it again when it opens (`SelfDescribingDevice`)."""
-    return isinstance(device, (PersistentDevice, SelfDescribingDevice))
+    """A persistent tier's device: files (`PersistentDevice`), a card, whose objects are
+    found on it again when it opens (`SelfDescribingDevice`), or a store that hosts share
+    (`SharedDevice`: an S3 bucket)."""
+    return isinstance(device, (PersistentDevice, SelfDescribingDevice, SharedDevice))
 
 
 def device_limit(section: TierSection, config: Config) -> int:

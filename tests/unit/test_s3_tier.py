@@ -64,7 +64,14 @@ def wait_until(condition: Any, what: str, timeout_s: float = WAIT_S) -> None:
 
 def config(*tiers: dict[str, Any], **storage: Any) -> Any:
     return validate_config(
-        {"storage": {"tiers": [{"name": "ram", "type": "ram", "capacity_gb": 0.05}, *tiers], **storage}}
+        # No local fallback: a test whose S3 tier is skipped sees the RAM tier alone.
+        {
+            "storage": {
+                "tiers": [{"name": "ram", "type": "ram", "capacity_gb": 0.05}, *tiers],
+                "fallback_path": None,
+                **storage,
+            }
+        }
     )
 
 
@@ -103,11 +110,12 @@ def test_a_config_mistake_is_refused_naming_the_tier_and_the_key(change: dict[st
     assert named in str(refused.value)
 
 
-def test_a_tier_without_a_bucket_is_refused_naming_the_key() -> None:
+def test_a_tier_without_a_bucket_is_skipped_naming_the_key(caplog: pytest.LogCaptureFixture) -> None:
+    """A missing required key skips the tier (the rest of the cache works), as for every tier type."""
+    caplog.set_level(logging.INFO)
     tier = s3_tier("http://127.0.0.1:1", "kvh-bucket")
     del tier["bucket"]
-    with pytest.raises(ConfigError, match=r"tiers\[1\] \(s3\): bucket: Field required"):
-        config(tier)
+    assert "bucket" in skipped_because(open_store(config(tier)), caplog)
 
 
 def skipped_because(store: TieredStore, caplog: pytest.LogCaptureFixture) -> str:
@@ -167,7 +175,7 @@ def test_without_boto3_the_tier_is_unavailable_naming_the_extra(server: MotoServ
         from kvharbor.cache.assembly import open_store
         from kvharbor.config import validate_config
         tier = {s3_tier(server.url, "kvh-bucket")!r}
-        store = open_store(validate_config({{"storage": {{"tiers": [tier]}}}}))
+        store = open_store(validate_config({{"storage": {{"tiers": [tier], "fallback_path": None}}}}))
         print("tiers:", [t.name for t in store.tiers])
         """
     )
