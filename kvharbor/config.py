@@ -219,6 +219,11 @@ class FileTierSection(TierSection):
     fsync: bool = True
     """Flush every object to stable storage before it counts as stored."""
     fanout_levels: int = Field(2, ge=0, le=3)
+    cold_reads_direct: bool = False
+    """Read a value whose file is not in the page cache with O_DIRECT, from the disk straight
+    into the reader's memory (where the filesystem takes O_DIRECT; buffered, said once, where
+    it refuses it). Off by default: on the VMs measured (bench/store.py) buffered cold reads
+    were the faster; on a local NVMe drive O_DIRECT usually is."""
 
 
 CARD_DEVICE_FORMS = "sim, sim:PARAMS.yaml, file:PATH or a device path (/dev/ngXnY, /dev/nvmeXnY)"
