@@ -87,17 +87,18 @@ def read_file(
         return _pipelined(pool, fd, None, into, chunks, consume, plan.slice_bytes, whole)
     if _cached(fd, into[:head_hi]):
         _hand_out(into, 0, head_hi, consume, plan.slice_bytes)
-        result = _pipelined(pool, fd, None, into, chunks[1:], consume, plan.slice_bytes, whole)
-        return result
+        return _pipelined(pool, fd, None, into, chunks[1:], consume, plan.slice_bytes, whole)
+    if into.readonly or address(into) % dio_memory_alignment(fd):
+        # The buffer's address does not allow O_DIRECT: buffered, quietly (not the filesystem's doing).
+        return _pipelined(pool, fd, None, into, chunks, consume, plan.slice_bytes, whole)
     try:
-        direct = _open_direct(fd, into)
+        # Through /proc/self/fd: the very file ``fd`` reads, whatever was renamed over its name since.
+        direct = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
     except OSError as err:
         if err.errno != errno.EINVAL:
             raise
         result = _pipelined(pool, fd, None, into, chunks, consume, plan.slice_bytes, whole)
         return ReadResult(result.nbytes, False, True)
-    if direct is None:  # The buffer's address does not allow O_DIRECT: buffered, quietly.
-        return _pipelined(pool, fd, None, into, chunks, consume, plan.slice_bytes, whole)
     try:
         return _pipelined(pool, fd, direct, into, chunks, consume, plan.slice_bytes, whole)
     finally:
@@ -116,17 +117,6 @@ def _cached(fd: int, head: memoryview) -> bool:
         if err.errno == errno.EOPNOTSUPP:
             return True
         raise
-
-
-def _open_direct(fd: int, into: memoryview) -> int | None:
-    """A second, O_DIRECT descriptor of the file open as ``fd`` (the same file, whatever was
-    renamed over its name since), or None when ``into``'s address is not aligned as O_DIRECT
-    needs. OSError EINVAL: the filesystem refuses O_DIRECT."""
-    direct = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
-    if into.readonly or address(into) % dio_memory_alignment(direct):
-        os.close(direct)
-        return None
-    return direct
 
 
 def _pipelined(
