@@ -224,6 +224,12 @@ class FileTierSection(TierSection):
     into the reader's memory (where the filesystem takes O_DIRECT; buffered, said once, where
     it refuses it). Off by default: on the VMs measured (bench/store.py) buffered cold reads
     were the faster; on a local NVMe drive O_DIRECT usually is."""
+    direct_writes: bool = False
+    """Write each value's payload with O_DIRECT from where it lies in memory (page-aligned, as
+    in the gateway's shared segment), skipping the copy into the page cache: faster where
+    that copy is slow or the CPUs are busy (bench/store.py), but a value written so is not in
+    the page cache for a later read of it. Buffered, said once, where the filesystem refuses
+    O_DIRECT."""
 
 
 CARD_DEVICE_FORMS = "sim, sim:PARAMS.yaml, file:PATH or a device path (/dev/ngXnY, /dev/nvmeXnY)"

@@ -72,15 +72,21 @@ BufferSource = Callable[[int], memoryview]
 """Hands out a writable buffer of exactly the asked size for a read to land in."""
 
 
+MAPPED_BUFFER_MIN_BYTES = 256 * 1024
+"""From this size on `new_buffer` maps fresh pages; below it a ``bytearray`` does (the copy
+is short, and thousands of small live mappings would approach ``vm.max_map_count``)."""
+
+
 def new_buffer(nbytes: int) -> memoryview:
-    """``nbytes`` of fresh page-aligned memory (an anonymous mapping, freed with its last view).
+    """``nbytes`` of fresh memory; page-aligned (an anonymous mapping, freed with its last view)
+    from `MAPPED_BUFFER_MIN_BYTES` on.
 
     Page-aligned, not a ``bytearray`` (16 bytes past a page edge): the kernel copies a file's
     bytes into a destination off a page edge at a quarter of the speed on these machines
     (2.5 GB/s against 10 GB/s from the page cache, bench/store.py), and the payload of an
     object read whole then lands page-aligned too, as in the gateway's shared segment."""
-    if not nbytes:
-        return memoryview(bytearray())
+    if nbytes < MAPPED_BUFFER_MIN_BYTES:
+        return memoryview(bytearray(nbytes))
     return memoryview(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
 
 

@@ -17,7 +17,8 @@ not ``mmap``: a mapped file truncated from outside, or gone stale on NFS,
 kills the reader with SIGBUS, where ``preadv`` reports the damage. A read is
 done by I/O threads in chunks while the caller hashes the chunks before, and
 a cold file may be read with O_DIRECT (``cold_reads_direct``): see
-`kvharbor.hal.file_reads`.
+`kvharbor.hal.file_reads`; a value may be written with O_DIRECT from where it
+lies (``direct_writes``): see `kvharbor.hal.file_writes`.
 
 Temp files left by crashed writers are removed when the device is opened
 (see `kvharbor.hal.tempfiles` for how a dead writer is told from a live one);
@@ -54,7 +55,8 @@ from kvharbor.hal.base import (
     Usage,
 )
 from kvharbor.hal.file_reads import READ_THREADS, ReadPlan, read_file
-from kvharbor.hal.posix import device_error, fsync_dir, read_into, write_all
+from kvharbor.hal.file_writes import write_parts
+from kvharbor.hal.posix import device_error, fsync_dir, read_into
 from kvharbor.hal.tempfiles import TEMP_SUFFIX, abandoned, temp_name, this_machine
 from kvharbor.telemetry.log import PREFIX, OnceLog, get_logger
 
@@ -93,13 +95,16 @@ class FileDevice(Device, PersistentDevice):
         fanout_levels: int = 2,
         fsync: bool = True,
         cold_reads_direct: bool = False,
+        direct_writes: bool = False,
         temp_stale_after_s: float = TEMP_STALE_AFTER_S,
         free_ratio_degraded: float = FREE_RATIO_DEGRADED,
     ) -> None:
         """Open (creating if needed) the directory ``root``.
 
         ``cold_reads_direct``: read a file not in the page cache with O_DIRECT (see
-        `kvharbor.hal.file_reads`); where the filesystem refuses it, buffered, said once.
+        `kvharbor.hal.file_reads`); ``direct_writes``: write values with O_DIRECT from where
+        they lie (see `kvharbor.hal.file_writes`); either buffered, said once, where the
+        filesystem refuses O_DIRECT.
         Raises `DeviceUnavailable` naming the path when it cannot be created, is
         not a directory, or does not take a new file.
         """
@@ -113,6 +118,8 @@ class FileDevice(Device, PersistentDevice):
         self.free_ratio_degraded = free_ratio_degraded
         self.cold_reads_direct = cold_reads_direct
         """Still asked for: cleared when the filesystem refuses O_DIRECT."""
+        self.direct_writes = direct_writes
+        """Likewise."""
         self._once = OnceLog(_log)
         self._machine = this_machine()
         self._open_root()
@@ -148,12 +155,18 @@ class FileDevice(Device, PersistentDevice):
         try:
             fd, new_entries = self._create(temp, directory)
             try:
-                written = write_all(fd, views)
+                result = write_parts(fd, views, self.direct_writes)
                 if self.fsync:
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            assert written == total, (written, total)
+            if result.refused:
+                self.direct_writes = False
+                self._once.say(
+                    f"direct-writes:{self.name}",
+                    f"tier '{self.name}': the filesystem of {self.root} refuses O_DIRECT; writes are buffered",
+                )
+            assert result.nbytes == total, (result.nbytes, total)
             os.rename(temp, path)
             if self.fsync:
                 # The rename, then the entries of the fan-out directories this
@@ -451,4 +464,5 @@ def open_file_device(section: FileTierSection, max_value_bytes: int) -> FileDevi
         fanout_levels=section.fanout_levels,
         fsync=section.fsync,
         cold_reads_direct=section.cold_reads_direct,
+        direct_writes=section.direct_writes,
     )

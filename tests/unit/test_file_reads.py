@@ -7,6 +7,7 @@ would answer it: EINVAL from ``open`` or from an aligned ``preadv`` of the direc
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -177,3 +178,61 @@ def test_the_setting_reaches_the_device(tmp_path: Path) -> None:
         assert made.cold_reads_direct
     finally:
         made.close()
+
+
+# -- writes -------------------------------------------------------------------
+
+
+class DirectWrites:
+    """Counts writes made while the descriptor has O_DIRECT set (optionally answering them
+    EINVAL, as a filesystem that refuses O_DIRECT does)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, refuse: bool = False) -> None:
+        self.direct = 0
+        real_pwritev = os.pwritev
+
+        def watched_pwritev(fd: int, buffers: Any, offset: int, *flags: int) -> int:
+            if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+                self.direct += 1
+                if refuse:
+                    raise OSError(errno.EINVAL, "Invalid argument")
+            return real_pwritev(fd, buffers, offset, *flags)
+
+        monkeypatch.setattr(os, "pwritev", watched_pwritev)
+
+
+def header_and_payload() -> tuple[bytes, memoryview]:
+    """An object's parts as a tier writes them: a page of header, the payload page-aligned."""
+    payload = aligned(VALUE_BYTES)
+    payload[:] = value()
+    return os.urandom(4096), payload
+
+
+def test_a_direct_write_stores_every_byte(device: FileDevice, monkeypatch: pytest.MonkeyPatch) -> None:
+    device.direct_writes = True
+    head, payload = header_and_payload()
+    writes = DirectWrites(monkeypatch)
+    device.put(KEY, [head, payload])
+    assert writes.direct >= 2  # The header's page and the payload's whole blocks.
+    stored = object_path(Path(device.root), KEY).read_bytes()
+    assert stored == head + bytes(payload)
+    unaligned = memoryview(bytearray(payload))  # Not on a page edge: written buffered.
+    writes.direct = 0
+    device.put(KEY, [head, unaligned])
+    assert writes.direct == 0 and object_path(Path(device.root), KEY).read_bytes() == stored
+
+
+def test_a_filesystem_refusing_direct_writes_gets_buffered_ones_said_once(
+    device: FileDevice, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    device.direct_writes = True
+    head, payload = header_and_payload()
+    writes = DirectWrites(monkeypatch, refuse=True)
+    with caplog.at_level(logging.WARNING):
+        device.put(KEY, [head, payload])
+        device.put(KEY, [head, payload])
+    assert object_path(Path(device.root), KEY).read_bytes() == head + bytes(payload)
+    assert writes.direct == 1 and not device.direct_writes, "not asked again"
+    assert [r.getMessage() for r in caplog.records] == [
+        f"kvharbor: tier 'local': the filesystem of {device.root} refuses O_DIRECT; writes are buffered"
+    ]
