@@ -229,8 +229,8 @@ class FileTierSection(TierSection):
     cold_reads_direct: bool = False
     """Read a value whose file is not in the page cache with O_DIRECT, from the disk straight
     into the reader's memory (where the filesystem takes O_DIRECT; buffered, said once, where
-    it refuses it). Off by default: on the VMs measured (bench/store.py) buffered cold reads
-    were the faster; on a local NVMe drive O_DIRECT usually is."""
+    it refuses it). Off by default: on the VMs measured (bench/store.py) neither was clearly
+    the faster; on a local NVMe drive O_DIRECT usually is."""
     direct_writes: bool = False
     """Write each value's payload with O_DIRECT from where it lies in memory (page-aligned, as
     in the gateway's shared segment), skipping the copy into the page cache: faster where

@@ -18,9 +18,9 @@ version of the value, even while a put renames a new one over it). A filesystem 
 O_DIRECT, at the open or at the first read (EINVAL: tmpfs on older kernels, some FUSE and
 network filesystems), is read buffered instead, seamlessly (a chunk refused is read again
 buffered, in the same I/O thread), and `ReadResult.refused` tells the caller, who stops asking
-for O_DIRECT and says so once. Whether
-O_DIRECT is faster depends on the disk: on these VMs it is not (bench/store.py measures both),
-so it is a setting, off by default (``storage.tiers[].cold_reads_direct``).
+for O_DIRECT and says so once. Whether O_DIRECT is faster depends on the disk: on these VMs
+neither wins clearly (bench/store.py measures both), so it is a setting, off by default
+(``storage.tiers[].cold_reads_direct``).
 
 Contract: every chunk's read has finished when `read_file` returns or raises, so the caller
 may reuse its buffer at once; ``consume`` sees consecutive slices of at most ``slice_bytes``,
