@@ -119,7 +119,7 @@ class FileDevice(Device, PersistentDevice):
         self.cold_reads_direct = cold_reads_direct
         """Still asked for: cleared when the filesystem refuses O_DIRECT."""
         self.direct_writes = direct_writes
-        """Likewise."""
+        """Still asked for: cleared when the filesystem refuses O_DIRECT."""
         self._once = OnceLog(_log)
         self._machine = this_machine()
         self._open_root()
@@ -162,10 +162,7 @@ class FileDevice(Device, PersistentDevice):
                 os.close(fd)
             if result.refused:
                 self.direct_writes = False
-                self._once.say(
-                    f"direct-writes:{self.name}",
-                    f"tier '{self.name}': the filesystem of {self.root} refuses O_DIRECT; writes are buffered",
-                )
+                self._say_direct_refused("writes")
             assert result.nbytes == total, (result.nbytes, total)
             os.rename(temp, path)
             if self.fsync:
@@ -321,15 +318,20 @@ class FileDevice(Device, PersistentDevice):
             raise self._error(err, f"get {path}") from err
         finally:
             os.close(fd)
-        if result.refused and self.cold_reads_direct:
+        if result.refused:
             self.cold_reads_direct = False
-            self._once.say(
-                f"direct:{self.name}",
-                f"tier '{self.name}': the filesystem of {self.root} refuses O_DIRECT; cold reads are buffered",
-            )
+            self._say_direct_refused("cold reads")
         if result.nbytes != size:
             raise DeviceCorrupt(self.name, f"{path} shrank from {size} to {result.nbytes} bytes while being read")
         return size
+
+    def _say_direct_refused(self, what: str) -> None:
+        """The filesystem refused O_DIRECT for ``what`` (reads or writes), which the caller
+        stops asking for: said once, as it holds for the filesystem's life."""
+        self._once.say(
+            f"direct {what}:{self.name}",
+            f"tier '{self.name}': the filesystem of {self.root} refuses O_DIRECT; {what} are buffered",
+        )
 
     def _create(self, temp: str, directory: str) -> tuple[int, list[str]]:
         """Create ``temp``; also returns the directories that gained a fan-out
