@@ -28,7 +28,8 @@ counts such objects apart and keeps them).
 format version. An object of another version (older or newer) is another release's, not
 damage: `parse_header` raises `ForeignFormat` before it looks at anything else, and readers
 treat it as a miss, leave it in place and count it as neither corrupt nor stale (see
-`kvharbor.cache.tier` and `kvharbor.cache.recovery`). The version is also part of every
+`kvharbor.cache.tier` and `kvharbor.cache.recovery`); a version field damaged at rest
+reads so too, and is still never served. The version is also part of every
 layout fingerprint (`kvharbor.cache.keys.FORMAT_VERSION`), hence of every key: two releases
 of different formats never look up or write the same key, so they share a tier without
 fighting over objects; each one's objects are the other's misses, and both age out under
