@@ -17,12 +17,19 @@ from typing import Any
 
 import pytest
 
+from kvharbor.cache.breaker import BreakerSettings, CircuitBreaker
+from kvharbor.cache.format import HEADER_BYTES
+from kvharbor.cache.keys import LayoutFingerprint
+from kvharbor.cache.manifest import open_manifest
+from kvharbor.cache.tier import Tier
 from kvharbor.config import validate_config
+from kvharbor.hal.block.direct import address
 from kvharbor.hal.file import FileDevice, open_file_device
 
 KEY = bytes.fromhex("abcd" + "11" * 14)
 VALUE_BYTES = 3 * (1 << 20) + 123  # Several chunks, the last a partial block.
 SLICE_BYTES = 100_000
+FINGERPRINT = LayoutFingerprint(model_id="test/file-reads", chunk_size=16).digest()
 
 
 def aligned(nbytes: int) -> memoryview:
@@ -236,3 +243,21 @@ def test_a_filesystem_refusing_direct_writes_gets_buffered_ones_said_once(
     assert [r.getMessage() for r in caplog.records] == [
         f"kvharbor: tier 'local': the filesystem of {device.root} refuses O_DIRECT; writes are buffered"
     ]
+
+
+def test_a_value_read_into_page_aligned_memory_lies_page_aligned(tmp_path: Path) -> None:
+    """What format 2 is for: the payload a page into the object, so the engine's copy (and
+    O_DIRECT) find it on a page edge in the gateway's segment."""
+    made = FileDevice("local", str(tmp_path / "tier"), 1 << 23)
+    tier = Tier("local", made, open_manifest(made, "local"), 1 << 26, CircuitBreaker(BreakerSettings()))
+    try:
+        data = value()
+        assert tier.write(KEY, FINGERPRINT, data)
+        landing = aligned(VALUE_BYTES + HEADER_BYTES)
+        got = tier.read(KEY, FINGERPRINT, lambda nbytes: landing[:nbytes])
+        assert got is not None and bytes(got) == data
+        assert address(got) % mmap.PAGESIZE == 0
+        fresh = tier.read(KEY, FINGERPRINT)  # Into the tier's own buffer: aligned as well.
+        assert fresh is not None and address(fresh) % mmap.PAGESIZE == 0
+    finally:
+        tier.close()
