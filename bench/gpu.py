@@ -14,6 +14,10 @@ writing ``<part>.json`` into ``--out`` (default ``$OUT`` or ``bench-out``):
                                           #     engine process stored, with a service-mode gateway and with
                                           #     the default embedded one lingering, beside recompute in a
                                           #     fresh process; with a step-by-step breakdown of one restore
+  python bench/gpu.py sigint --model DIR  # (d) vLLM's default shutdown: the OpenAI server answers a prompt
+                                          #     and is stopped with Ctrl-C at once; how much of the prompt
+                                          #     a new server finds, with and without
+                                          #     engine.saves_land_before_answer, and the cold TTFT of each
   python bench/gpu.py report --json       # merge the parts; the last line is one JSON object
 
 Layout: Llama-3.1-8B (32 layers, 8 KV heads, head size 128, bf16), flash-attn
@@ -902,9 +906,88 @@ def restart_figures(load: Any) -> dict[str, Any]:
     return figures
 
 
+SIGINT_SERVER_ARGS = {
+    "cuda": ["--load-format", "dummy", "--enforce-eager", "--dtype", "bfloat16", "--gpu-memory-utilization", "0.85"],
+    "cpu": ["--enforce-eager", "--dtype", "float32"],
+}[DEVICE]
+
+
+def chunk_bound(length: int) -> int:
+    """The tokens a restore of a fully stored prompt gives back: whole chunks, and never the
+    last token (vLLM computes it)."""
+    return min(length // CHUNK * CHUNK, (length - 1) // BLOCK * BLOCK)
+
+
+def bench_sigint(args: argparse.Namespace) -> None:
+    """(d): per length, a server answers the prompt (one token) and is stopped with SIGINT
+    right after the answer (vLLM's default ``--shutdown-timeout 0`` kills its engine); the
+    next server answers it again. Each mode (``saves_land_before_answer`` off, then on) runs
+    its servers against the default embedded gateway, which outlives each of them."""
+    from kvharbor.demo.server import VllmServer
+
+    model = write_model(Path(args.model))
+    vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
+    lengths = sorted(int(x) for x in args.lengths.split(","))
+    result: dict[str, Any] = {"machine": machine(), "ram_gb": args.ram_gb}
+
+    def answer(server: Any, ids: list[int]) -> Any:
+        done = server.complete(ids, max_tokens=1)
+        if done.prompt_tokens != len(ids):
+            raise SystemExit(
+                f"bench: the server answered {done.prompt_tokens} prompt tokens of {len(ids)}: {server.log_path}"
+            )
+        return done
+
+    for land in (False, True):
+        tag = f"land-{int(land)}"
+        work = Path(f"/tmp/kvh-sigint-{os.getpid()}-{tag}")
+        work.mkdir(parents=True, exist_ok=True)
+        tiers = [{"name": "ram", "type": "ram", "capacity_gb": args.ram_gb}]
+        sections = kvharbor_sections(work, f"kvh-sigint-{os.getpid()}-{tag}", tiers, RESTART_RING_MB)
+        sections["engine"]["saves_land_before_answer"] = land
+        config_path = work / "kvharbor.yaml"
+        config_path.write_text(json.dumps(sections))  # JSON is YAML
+        env = {**os.environ, "KVHARBOR": "1", "KVHARBOR_CONFIG": str(config_path), "TMPDIR": str(work)}
+        server_args = [*SIGINT_SERVER_ARGS, "--max-model-len", str(args.max_model_len)]
+        runs: dict[str, Any] = {}
+        result[tag] = runs
+
+        def start(number: int, tag: str = tag, env: dict[str, str] = env, args_: list[str] = server_args) -> Any:
+            log = out_dir(args) / f"server-sigint-{tag}-{number}.log"
+            return VllmServer(model, log, env, name="m", args=args_).wait_ready(args.engine_timeout)
+
+        server = start(0)
+        try:
+            answer(server, prompt(RESTART_WARMUP_TOKENS, 999, vocab))  # Warms vLLM; not cached.
+            for number, length in enumerate(lengths, 1):
+                ids = prompt(length, length, vocab)
+                cold = answer(server, ids)
+                server.stop(signal.SIGINT)  # Ctrl-C right after the answer.
+                server = start(number)
+                again = answer(server, ids)
+                runs[str(length)] = {
+                    "cold_ttft_s": round(cold.ttft_s, 4),
+                    "restart_ttft_s": round(again.ttft_s, 4),
+                    "restored_tokens": again.cached_tokens,
+                    "bound_tokens": chunk_bound(length),
+                    "same_token": again.text == cold.text,
+                }
+                print(f"[sigint {tag}] {length}: {json.dumps(runs[str(length)])}", flush=True)
+        finally:
+            server.stop(signal.SIGINT)
+            Gateway(args, "embedded", sections, config_path).stop()  # The one the first server started.
+    for length in map(str, lengths):
+        off, on = result["land-0"].get(length), result["land-1"].get(length)
+        if off and on:
+            result[f"restored_vs_bound_{length}_off"] = round(off["restored_tokens"] / off["bound_tokens"], 3)
+            result[f"restored_vs_bound_{length}_on"] = round(on["restored_tokens"] / on["bound_tokens"], 3)
+            result[f"cold_ttft_on_vs_off_{length}"] = round(on["cold_ttft_s"] / off["cold_ttft_s"], 3)
+    save(args, "sigint", result)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("part", choices=["raw", "gateway", "e2e", "restart", "engine", "report"])
+    parser.add_argument("part", choices=["raw", "gateway", "e2e", "restart", "sigint", "engine", "report"])
     parser.add_argument("--out")
     parser.add_argument("--json", action="store_true", help="report: print only the one-line JSON")
     parser.add_argument("--chunks", type=int, default=128, help="raw/gateway: chunks moved (32 MiB each)")
@@ -929,6 +1012,7 @@ def main() -> None:
     parser.add_argument("--extras", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     parts = {"raw": bench_raw, "gateway": bench_gateway, "e2e": bench_e2e, "restart": bench_restart}
+    parts["sigint"] = bench_sigint
     parts.update(engine=run_engine, report=report)
     parts[args.part](args)
 
