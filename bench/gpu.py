@@ -14,10 +14,10 @@ writing ``<part>.json`` into ``--out`` (default ``$OUT`` or ``bench-out``):
                                           #     engine process stored, with a service-mode gateway and with
                                           #     the default embedded one lingering, beside recompute in a
                                           #     fresh process; with a step-by-step breakdown of one restore
-  python bench/gpu.py sigint --model DIR  # (d) vLLM's default shutdown: the OpenAI server answers a prompt
-                                          #     and is stopped with Ctrl-C at once; how much of the prompt
-                                          #     a new server finds, with and without
-                                          #     engine.saves_land_before_answer, and the cold TTFT of each
+  python bench/gpu.py sigint --model DIR  # (d) vLLM's default shutdown: an engine process answers a prompt
+                                          #     and ends at once; how much of the prompt the next process
+                                          #     restores, with and without engine.saves_land_before_answer,
+                                          #     and the cold TTFT of each
   python bench/gpu.py report --json       # merge the parts; the last line is one JSON object
 
 Layout: Llama-3.1-8B (32 layers, 8 KV heads, head size 128, bf16), flash-attn
@@ -574,7 +574,9 @@ def run_engine(args: argparse.Namespace) -> None:
     def write() -> None:
         output.write_text(json.dumps(result, indent=1))
 
-    if mode in ("store", "restore"):
+    if mode == "answer":
+        sigint_role(engine, args, result, write)
+    elif mode in ("store", "restore"):
         restart_role(engine, args, lengths, result, write)
     else:
         e2e_role(engine, args, lengths, result, write)
@@ -906,38 +908,38 @@ def restart_figures(load: Any) -> dict[str, Any]:
     return figures
 
 
-SIGINT_SERVER_ARGS = {
-    "cuda": ["--load-format", "dummy", "--enforce-eager", "--dtype", "bfloat16", "--gpu-memory-utilization", "0.85"],
-    "cpu": ["--enforce-eager", "--dtype", "float32"],
-}[DEVICE]
-
-
 def chunk_bound(length: int) -> int:
     """The tokens a restore of a fully stored prompt gives back: whole chunks, and never the
     last token (vLLM computes it)."""
     return min(length // CHUNK * CHUNK, (length - 1) // BLOCK * BLOCK)
 
 
+def sigint_role(engine: Engine, args: argparse.Namespace, result: dict[str, Any], write: Any) -> None:
+    """``answer``: first the prompt of ``--check`` tokens (0: none), which the previous
+    process answered: what this one restores of it; then each of ``--lengths`` (0: none),
+    cold. Right after the last answer the process ends at once (`os._exit`), engine and
+    saver thread with it, as vLLM's default shutdown (``--shutdown-timeout 0``) kills an
+    engine right after it answered."""
+    vocab = engine.vocab
+    engine.generate(prompt(args.warmup_tokens, 999, vocab))  # Warms vLLM; shorter than a chunk.
+    if args.check:
+        restored = engine.generate(prompt(args.check, args.check, vocab))
+        result["check"] = {"length": args.check, "bound": chunk_bound(args.check), **restored}
+        print(f"[{args.tag}] restored {restored['cached']} of {args.check} (bound {chunk_bound(args.check)})")
+    for length in (n for n in map(int, args.lengths.split(",")) if n > 0):
+        result[str(length)] = {"cold": engine.generate(prompt(length, length, vocab))}
+    write()
+    sys.stdout.flush()
+    os._exit(0)
+
+
 def bench_sigint(args: argparse.Namespace) -> None:
-    """(d): per length, a server answers the prompt (one token) and is stopped with SIGINT
-    right after the answer (vLLM's default ``--shutdown-timeout 0`` kills its engine); the
-    next server answers it again. Each mode (``saves_land_before_answer`` off, then on) runs
-    its servers against the default embedded gateway, which outlives each of them."""
-    from kvharbor.demo.server import VllmServer
-
-    model = write_model(Path(args.model))
-    vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
+    """(d): per length, an engine process answers the prompt and ends at once (`sigint_role`);
+    the next process answers it again. Each mode (``engine.saves_land_before_answer`` off,
+    then on) runs its processes against the default embedded gateway, which outlives them."""
+    write_model(Path(args.model))
     lengths = sorted(int(x) for x in args.lengths.split(","))
-    result: dict[str, Any] = {"machine": machine(), "ram_gb": args.ram_gb}
-
-    def answer(server: Any, ids: list[int]) -> Any:
-        done = server.complete(ids, max_tokens=1)
-        if done.prompt_tokens != len(ids):
-            raise SystemExit(
-                f"bench: the server answered {done.prompt_tokens} prompt tokens of {len(ids)}: {server.log_path}"
-            )
-        return done
-
+    result: dict[str, Any] = {"lengths": lengths, "ram_gb": args.ram_gb}
     for land in (False, True):
         tag = f"land-{int(land)}"
         work = Path(f"/tmp/kvh-sigint-{os.getpid()}-{tag}")
@@ -947,38 +949,33 @@ def bench_sigint(args: argparse.Namespace) -> None:
         sections["engine"]["saves_land_before_answer"] = land
         config_path = work / "kvharbor.yaml"
         config_path.write_text(json.dumps(sections))  # JSON is YAML
-        env = {**os.environ, "KVHARBOR": "1", "KVHARBOR_CONFIG": str(config_path), "TMPDIR": str(work)}
-        server_args = [*SIGINT_SERVER_ARGS, "--max-model-len", str(args.max_model_len)]
         runs: dict[str, Any] = {}
         result[tag] = runs
-
-        def start(number: int, tag: str = tag, env: dict[str, str] = env, args_: list[str] = server_args) -> Any:
-            log = out_dir(args) / f"server-sigint-{tag}-{number}.log"
-            return VllmServer(model, log, env, name="m", args=args_).wait_ready(args.engine_timeout)
-
-        server = start(0)
+        steps = list(zip([0, *lengths], [*lengths, 0], strict=True))
         try:
-            answer(server, prompt(RESTART_WARMUP_TOKENS, 999, vocab))  # Warms vLLM; not cached.
-            for number, length in enumerate(lengths, 1):
-                ids = prompt(length, length, vocab)
-                cold = answer(server, ids)
-                server.stop(signal.SIGINT)  # Ctrl-C right after the answer.
-                server = start(number)
-                again = answer(server, ids)
-                runs[str(length)] = {
-                    "cold_ttft_s": round(cold.ttft_s, 4),
-                    "restart_ttft_s": round(again.ttft_s, 4),
-                    "restored_tokens": again.cached_tokens,
-                    "bound_tokens": chunk_bound(length),
-                    "same_token": again.text == cold.text,
-                }
-                print(f"[sigint {tag}] {length}: {json.dumps(runs[str(length)])}", flush=True)
+            for number, (check, answer) in enumerate(steps):
+                name = f"sigint-{tag}-{number}"
+                extra = ["--kvharbor", str(config_path), "--check", str(check), "--lengths", str(answer)]
+                code = spawn_engine(args, "answer", name, [*extra, "--warmup-tokens", str(RESTART_WARMUP_TOKENS)])
+                if code != 0:
+                    raise SystemExit(f"bench: engine {name} exited with {code}: {out_dir(args)}/engine-{name}.log")
+                done = json.loads((out_dir(args) / f"engine-{name}.json").read_text())
+                if check:
+                    cold = runs[str(check)]
+                    cold.update(
+                        restored_tokens=done["check"]["cached"],
+                        bound_tokens=done["check"]["bound"],
+                        restart_ttft_s=done["check"]["ttft_s"],
+                        same_token=done["check"]["token"] == cold.pop("cold_token"),
+                    )
+                if answer:
+                    first = done[str(answer)]["cold"]
+                    runs[str(answer)] = {"cold_ttft_s": first["ttft_s"], "cold_token": first["token"]}
         finally:
-            server.stop(signal.SIGINT)
-            Gateway(args, "embedded", sections, config_path).stop()  # The one the first server started.
+            Gateway(args, "embedded", sections, config_path).stop()  # The one the first process started.
     for length in map(str, lengths):
-        off, on = result["land-0"].get(length), result["land-1"].get(length)
-        if off and on:
+        off, on = result["land-0"].get(length, {}), result["land-1"].get(length, {})
+        if "restored_tokens" in off and "restored_tokens" in on:
             result[f"restored_vs_bound_{length}_off"] = round(off["restored_tokens"] / off["bound_tokens"], 3)
             result[f"restored_vs_bound_{length}_on"] = round(on["restored_tokens"] / on["bound_tokens"], 3)
             result[f"cold_ttft_on_vs_off_{length}"] = round(on["cold_ttft_s"] / off["cold_ttft_s"], 3)
@@ -1010,6 +1007,7 @@ def main() -> None:
     parser.add_argument("--tag", help=argparse.SUPPRESS)
     parser.add_argument("--kvharbor", help=argparse.SUPPRESS)
     parser.add_argument("--extras", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--check", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     parts = {"raw": bench_raw, "gateway": bench_gateway, "e2e": bench_e2e, "restart": bench_restart}
     parts["sigint"] = bench_sigint
