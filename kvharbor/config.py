@@ -255,6 +255,17 @@ class FileTierSection(TierSection):
     fsync: bool = True
     """Flush every object to stable storage before it counts as stored."""
     fanout_levels: int = Field(2, ge=0, le=3)
+    cold_reads_direct: bool = False
+    """Read a value whose file is not in the page cache with O_DIRECT, from the disk straight
+    into the reader's memory (where the filesystem takes O_DIRECT; buffered, said once, where
+    it refuses it). Off by default: on the VMs measured (bench/store.py) neither was clearly
+    the faster; on a local NVMe drive O_DIRECT usually is."""
+    direct_writes: bool = False
+    """Write each value's payload with O_DIRECT from where it lies in memory (page-aligned, as
+    in the gateway's shared segment), skipping the copy into the page cache: faster where
+    that copy is slow or the CPUs are busy (bench/store.py), but a value written so is not in
+    the page cache for a later read of it. Buffered, said once, where the filesystem refuses
+    O_DIRECT."""
 
 
 class NfsTierSection(FileTierSection):

@@ -53,11 +53,13 @@ def open_index(device: Device, tier_name: str, section: TierSection | None = Non
         recovered = recover_entries(device)
         index.rebuild(recovered.entries)
         _log.info(
-            "kvharbor: tier %s: %d values found on the device (%d objects scanned, %d damaged dropped)",
+            "kvharbor: tier %s: %d values found on the device (%d objects scanned, %d damaged dropped, "
+            "%d of another format version kept)",
             tier_name,
             len(recovered.entries),
             recovered.objects,
             recovered.dropped,
+            recovered.foreign,
         )
     return index
 

@@ -5,21 +5,35 @@ checksums, so a reader can prove that the bytes it got are the bytes that were
 written for *this* key and *this* layout. Any mismatch raises `CorruptObject`;
 the store counts it, treats it as a miss and drops the object.
 
-Header, little-endian, `HEADER_BYTES` long::
+Header, little-endian, `HEADER_BYTES` (one page) long, its fields first::
 
     magic "KVHO" | format version u16 | codec u8 | reserved u8
     key 16 B | fingerprint digest 16 B
     fragment index u32 | fragment count u32
     raw length u64 | stored length u64 | payload length u64
-    payload checksum u64 (xxh3-64) | namespace tag u64 | header checksum u64 (xxh3-64)
+    payload checksum u64 (xxh3-64) | namespace tag u64
+    zero padding up to HEADER_BYTES - 8 | header checksum u64 (xxh3-64, of all bytes before it)
+
+Format 2 pads the header to a page so that the payload starts on a page edge: a value read
+whole into page-aligned memory (the gateway's shared segment) lies page-aligned there, for the
+engine's copy and for O_DIRECT, and a file's payload sits on the filesystem's block edges.
+Format 1 (releases before it) put the checksum right after the fields, 96 bytes in all.
 
 The namespace tag (`kvharbor.cache.keys.namespace_tag` of ``engine.key_namespace``)
-took the place of 8 reserved bytes that were always written as zero, so the format
-version did not change: a release before it reads the tag as padding (the header
-checksum covers those bytes either way), and an object it wrote reads here as tag 0,
-`NAMESPACE_UNKNOWN` (``kvharbor purge --namespace`` counts such objects apart and keeps
-them). Bumping the version instead would have changed every key (it is part of every
-fingerprint) and emptied every cache on upgrade, for a field nothing reads to serve.
+took the place of 8 reserved bytes of format 1 that were always written as zero: an object
+written without one reads as tag 0, `NAMESPACE_UNKNOWN` (``kvharbor purge --namespace``
+counts such objects apart and keeps them).
+
+**Mixed releases.** The magic and the version, the first 6 bytes, are where they are in every
+format version. An object of another version (older or newer) is another release's, not
+damage: `parse_header` raises `ForeignFormat` before it looks at anything else, and readers
+treat it as a miss, leave it in place and count it as neither corrupt nor stale (see
+`kvharbor.cache.tier` and `kvharbor.cache.recovery`); a version field damaged at rest
+reads so too, and is still never served. The version is also part of every
+layout fingerprint (`kvharbor.cache.keys.FORMAT_VERSION`), hence of every key: two releases
+of different formats never look up or write the same key, so they share a tier without
+fighting over objects; each one's objects are the other's misses, and both age out under
+the tier's budget like any value.
 
 Why xxh3-64 and not the BLAKE2b of the keys: the checksum runs over every byte
 read, at tens of GB/s, where BLAKE2b would be the bottleneck (~1 GB/s). It
@@ -54,9 +68,14 @@ from kvharbor.cache.keys import FORMAT_VERSION, KEY_BYTES, NAMESPACE_UNKNOWN, Ch
 from kvharbor.hal.base import Buffer
 
 MAGIC = b"KVHO"
-_HEADER = struct.Struct("<4sHBB16s16sIIQQQQQQ")
-HEADER_BYTES = _HEADER.size
-_CHECKED_PREFIX = HEADER_BYTES - 8  # Bytes the header checksum covers.
+_FIELDS = struct.Struct("<4sHBB16s16sIIQQQQQ")
+_VERSION = struct.Struct("<4sH")
+"""The magic and the version: the part of the header every format version shares."""
+HEADER_BYTES = 4096
+"""The header's room: its fields, zero padding, its checksum; the payload starts here, a page in."""
+_CHECKED_PREFIX = HEADER_BYTES - 8  # Bytes the header checksum covers: fields and padding.
+_CHECKSUM = struct.Struct("<Q")
+_PADDING = bytes(_CHECKED_PREFIX - _FIELDS.size)
 FRAGMENTS_MAX = 1 << 16
 """A value splits into at most this many fragments (a limit, not a format field)."""
 
@@ -77,6 +96,18 @@ class Codec(enum.IntEnum):
 
 class CorruptObject(Exception):
     """Bytes that are not a valid object for the expected key and layout."""
+
+
+class ForeignFormat(CorruptObject):
+    """An object of another format version: another release's, not damage. A miss that is
+    left in place and counted as neither corrupt nor stale (see the module docstring).
+
+    A subclass of `CorruptObject` so that a path that does not tell it apart still never
+    serves it; every path that can meet one (reads, recovery, purge) does tell it apart."""
+
+    def __init__(self, version: int) -> None:
+        super().__init__(f"format version {version}, this release reads {FORMAT_VERSION}")
+        self.version = version
 
 
 class ForeignLayout(CorruptObject):
@@ -100,7 +131,7 @@ class Header:
     """The writer's namespace tag (`kvharbor.cache.keys.namespace_tag`), or `NAMESPACE_UNKNOWN`."""
 
     def pack(self) -> bytes:
-        prefix = _HEADER.pack(
+        fields = _FIELDS.pack(
             MAGIC,
             self.version,
             int(self.codec),
@@ -114,9 +145,9 @@ class Header:
             self.payload_length,
             self.payload_checksum,
             self.namespace,
-            0,
-        )[:_CHECKED_PREFIX]
-        return prefix + xxhash.xxh3_64_intdigest(prefix).to_bytes(8, "little")
+        )
+        prefix = fields + _PADDING
+        return prefix + _CHECKSUM.pack(xxhash.xxh3_64_intdigest(prefix))
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,17 +305,21 @@ def encode(
 
 
 def parse_header(data: Buffer) -> Header:
-    """The header at the start of ``data``; raises `CorruptObject` on any damage."""
+    """The header at the start of ``data``; raises `ForeignFormat` for an object of another
+    format version (whatever else it holds), `CorruptObject` on any damage."""
     view = memoryview(data)
+    if view.nbytes >= _VERSION.size:
+        magic, version = _VERSION.unpack_from(view)
+        if magic == MAGIC and version != FORMAT_VERSION:
+            raise ForeignFormat(version)  # Its layout past the version is its release's own.
     if view.nbytes < HEADER_BYTES:
         raise CorruptObject(f"object of {view.nbytes} bytes is shorter than its {HEADER_BYTES}-byte header")
-    fields = _HEADER.unpack_from(view)
+    fields = _FIELDS.unpack_from(view)
     if fields[0] != MAGIC:
         raise CorruptObject(f"bad magic {fields[0]!r}")
-    if checksum(view[:_CHECKED_PREFIX]) != fields[13]:
+    (stored_checksum,) = _CHECKSUM.unpack_from(view, _CHECKED_PREFIX)
+    if checksum(view[:_CHECKED_PREFIX]) != stored_checksum:
         raise CorruptObject("header checksum mismatch")
-    if fields[1] != FORMAT_VERSION:
-        raise CorruptObject(f"format version {fields[1]}, this release reads {FORMAT_VERSION}")
     try:
         codec = Codec(fields[2])
     except ValueError:

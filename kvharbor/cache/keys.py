@@ -29,11 +29,14 @@ from typing import NewType
 KEY_BYTES = 16
 """Every key — chunk keys, fragment keys, fingerprint digests — is 16 bytes."""
 
-FORMAT_VERSION = 1
-"""Version of the stored object format (header layout, checksum, fragmenting).
+FORMAT_VERSION = 2
+"""Version of the stored object format (header layout, checksum, fragmenting);
+`kvharbor.cache.format` describes each.
 
 Part of every fingerprint: a release that changes how bytes are stored gets
-new keys, so it can never read an object written in the old format.
+new keys, so it can never read an object written in the old format, and two
+releases sharing a tier never write the same key (each one's objects are the
+other's misses). 2: the header padded to a page, the payload page-aligned.
 """
 
 FINGERPRINT_ENCODING_VERSION = 1

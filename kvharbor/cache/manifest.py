@@ -527,7 +527,8 @@ def _log_rebuild(tier_name: str, problem: str, recovered: Recovered, seconds: fl
     _log.log(
         level,
         "%stier '%s': manifest %s; rebuilt from a scan of %d objects (%d bytes) in %.2f s: "
-        "%d entries kept, %d damaged objects dropped",
+        "%d entries kept (%d of them objects of another format version, left to their release), "
+        "%d damaged objects dropped",
         PREFIX,
         tier_name,
         problem,
@@ -535,6 +536,7 @@ def _log_rebuild(tier_name: str, problem: str, recovered: Recovered, seconds: fl
         recovered.scanned_bytes,
         seconds,
         len(recovered.entries),
+        recovered.foreign,
         recovered.dropped,
     )
 

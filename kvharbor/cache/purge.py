@@ -260,7 +260,8 @@ def _by_header(tier: Tier, selection: PurgeFilter, keys: Sequence[bytes], step: 
 
 def _header(tier: Tier, key: bytes, head: memoryview) -> Header | None:
     """The header of ``key``'s object (fragment 0, under the key itself); None when it is
-    gone or damaged: a damaged object is the reader's to count and drop, not a purge's."""
+    gone, damaged or of another format version: a damaged object is the reader's to count and
+    drop, not a purge's, and another release's cannot be told (its header is its own)."""
     got = tier.device.peek(key, head)
     if got is None:
         return None

@@ -11,16 +11,26 @@ a damaged header, a length that disagrees with it, a name that is not the one
 its header implies, or a fragment whose siblings are missing or belong to
 another write. A read would find each of these corrupt anyway; dropping them
 now keeps their bytes from occupying the disk outside every budget.
+
+An object of another format version (`ForeignFormat`) is another release's, on a tier
+releases share: it is kept, never dropped. Its header past the version is that release's
+own, so it is entered as it lies, one object under its device key and `FOREIGN_FINGERPRINT`:
+the tier's budget counts its bytes and evicts it, least recently used, like any value, and
+a write of this release never replaces it (`kvharbor.cache.tier.Tier.write`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvharbor.cache.format import FRAGMENTS_MAX, HEADER_BYTES, CorruptObject, Header, parse_header
+from kvharbor.cache.format import FRAGMENTS_MAX, HEADER_BYTES, CorruptObject, ForeignFormat, Header, parse_header
 from kvharbor.cache.index import Entry
-from kvharbor.cache.keys import fragment_key
+from kvharbor.cache.keys import KEY_BYTES, fragment_key
 from kvharbor.hal.base import Device
+
+FOREIGN_FINGERPRINT = bytes(KEY_BYTES)
+"""The fingerprint an object of another format version is indexed under: its own cannot be
+read, and no layout's digest is all zeros (a BLAKE2b output)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +42,8 @@ class Recovered:
     scanned_bytes: int
     dropped: int
     """Damaged or orphaned objects deleted from the device."""
+    foreign: int = 0
+    """Objects of another format version, kept (among ``entries``, one each)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +58,7 @@ def recover_entries(device: Device) -> Recovered:
     """Scan ``device``, regroup fragments by their logical key, drop what cannot be read."""
     groups: dict[bytes, dict[int, _Part]] = {}
     damaged: list[bytes] = []
+    foreign: list[Entry] = []
     objects = scanned_bytes = 0
     head = memoryview(bytearray(HEADER_BYTES))
     for device_key, nbytes in device.scan():
@@ -56,6 +69,9 @@ def recover_entries(device: Device) -> Recovered:
             continue  # Deleted since the scan listed it.
         try:
             header = parse_header(head[:got])
+        except ForeignFormat:
+            foreign.append(Entry(bytes(device_key), nbytes, 1, FOREIGN_FINGERPRINT))
+            continue
         except CorruptObject:
             damaged.append(device_key)
             continue
@@ -64,7 +80,7 @@ def recover_entries(device: Device) -> Recovered:
             continue
         group = groups.setdefault(header.key, {})
         group[header.fragment_index] = _Part(device_key, nbytes, header.fragment_count, header.fingerprint)
-    entries = []
+    entries = list(foreign)
     for key, group in groups.items():
         whole = _whole_value(group)
         kept = {part.device_key for part in whole}
@@ -73,7 +89,7 @@ def recover_entries(device: Device) -> Recovered:
             entries.append(Entry(key, sum(part.nbytes for part in whole), len(whole), whole[0].fingerprint))
     for device_key in damaged:
         device.delete(device_key)
-    recovered = Recovered(tuple(entries), objects, scanned_bytes, len(damaged))
+    recovered = Recovered(tuple(entries), objects, scanned_bytes, len(damaged), len(foreign))
     kept_objects = sum(entry.parts for entry in recovered.entries)
     assert kept_objects + recovered.dropped <= recovered.objects, recovered
     return recovered

@@ -14,7 +14,11 @@ a file that shrinks while it is read was damaged from outside. A read, whole
 or streamed in slices (`get_streamed`), goes through one descriptor: it reads
 one version even while a put renames a new one over it. Reads use ``preadv``,
 not ``mmap``: a mapped file truncated from outside, or gone stale on NFS,
-kills the reader with SIGBUS, where ``preadv`` reports the damage.
+kills the reader with SIGBUS, where ``preadv`` reports the damage. A read is
+done by I/O threads in chunks while the caller hashes the chunks before, and
+a cold file may be read with O_DIRECT (``cold_reads_direct``): see
+`kvharbor.hal.file_reads`; a value may be written with O_DIRECT from where it
+lies (``direct_writes``): see `kvharbor.hal.file_writes`.
 
 Temp files left by crashed writers are removed when the device is opened
 (see `kvharbor.hal.tempfiles` for how a dead writer is told from a live one);
@@ -33,6 +37,7 @@ import re
 import stat
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from kvharbor.config import FileTierSection
 from kvharbor.hal.base import (
@@ -49,9 +54,11 @@ from kvharbor.hal.base import (
     SliceConsumer,
     Usage,
 )
-from kvharbor.hal.posix import device_error, fsync_dir, read_into, write_all
+from kvharbor.hal.file_reads import READ_THREADS, ReadPlan, read_file
+from kvharbor.hal.file_writes import write_parts
+from kvharbor.hal.posix import device_error, fsync_dir, read_into
 from kvharbor.hal.tempfiles import TEMP_SUFFIX, abandoned, temp_name, this_machine
-from kvharbor.telemetry.log import PREFIX, get_logger
+from kvharbor.telemetry.log import PREFIX, OnceLog, get_logger
 
 _log = get_logger("kvharbor.hal.file")
 
@@ -87,11 +94,17 @@ class FileDevice(Device, PersistentDevice):
         *,
         fanout_levels: int = 2,
         fsync: bool = True,
+        cold_reads_direct: bool = False,
+        direct_writes: bool = False,
         temp_stale_after_s: float = TEMP_STALE_AFTER_S,
         free_ratio_degraded: float = FREE_RATIO_DEGRADED,
     ) -> None:
         """Open (creating if needed) the directory ``root``.
 
+        ``cold_reads_direct``: read a file not in the page cache with O_DIRECT (see
+        `kvharbor.hal.file_reads`); ``direct_writes``: write values with O_DIRECT from where
+        they lie (see `kvharbor.hal.file_writes`); either buffered, said once, where the
+        filesystem refuses O_DIRECT.
         Raises `DeviceUnavailable` naming the path when it cannot be created, is
         not a directory, or does not take a new file.
         """
@@ -103,11 +116,17 @@ class FileDevice(Device, PersistentDevice):
         self.fsync = fsync
         self.temp_stale_after_s = temp_stale_after_s
         self.free_ratio_degraded = free_ratio_degraded
+        self.cold_reads_direct = cold_reads_direct
+        """Still asked for: cleared when the filesystem refuses O_DIRECT."""
+        self.direct_writes = direct_writes
+        """Still asked for: cleared when the filesystem refuses O_DIRECT."""
+        self._once = OnceLog(_log)
         self._machine = this_machine()
         self.interrupted_keys: list[bytes] = []
         """Keys whose temp files `__init__` removed: writes whose writer died (see
         `kvharbor.cache.assembly.open_index`, which drops their index entries)."""
         self._open_root()
+        self._reads = ThreadPoolExecutor(READ_THREADS, thread_name_prefix=f"kvharbor-file-{name}")
         try:
             removed = self._remove_abandoned_temps()
         except OSError as err:
@@ -125,6 +144,9 @@ class FileDevice(Device, PersistentDevice):
     def state_dir(self) -> str:
         return self.root
 
+    def close(self) -> None:
+        self._reads.shutdown(wait=True)
+
     # -- values ------------------------------------------------------------
 
     def put(self, key: bytes, parts: Sequence[Buffer]) -> None:
@@ -136,12 +158,15 @@ class FileDevice(Device, PersistentDevice):
         try:
             fd, new_entries = self._create(temp, directory)
             try:
-                written = write_all(fd, views)
+                result = write_parts(fd, views, self.direct_writes)
                 if self.fsync:
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            assert written == total, (written, total)
+            if result.refused:
+                self.direct_writes = False
+                self._say_direct_refused("writes")
+            assert result.nbytes == total, (result.nbytes, total)
             os.rename(temp, path)
             if self.fsync:
                 # The rename, then the entries of the fan-out directories this
@@ -286,32 +311,30 @@ class FileDevice(Device, PersistentDevice):
         if fd is None:
             return None
         view = _bytes_view(into)
-        got = 0
         try:
-            try:
-                size = os.fstat(fd).st_size
-            except OSError as err:
-                raise self._error(err, f"get {path}") from err
+            size = os.fstat(fd).st_size
             if size > view.nbytes:
                 raise BufferTooSmall(self.name, size, view.nbytes)
-            step = slice_bytes or size
-            while got < size:
-                # A short read (signal, network filesystem) just makes a shorter slice.
-                piece = view[got : min(got + step, size)]
-                try:
-                    n = os.preadv(fd, [piece], got)
-                except OSError as err:
-                    raise self._error(err, f"get {path}") from err
-                if n == 0:
-                    break  # The file ended early; said just below.
-                if consume is not None:
-                    consume(piece if n == piece.nbytes else piece[:n])
-                got += n
+            plan = ReadPlan(size, self.cold_reads_direct, slice_bytes or size or 1)
+            result = read_file(self._reads, fd, view, plan, consume)
+        except OSError as err:
+            raise self._error(err, f"get {path}") from err
         finally:
             os.close(fd)
-        if got != size:
-            raise DeviceCorrupt(self.name, f"{path} shrank from {size} to {got} bytes while being read")
+        if result.refused:
+            self.cold_reads_direct = False
+            self._say_direct_refused("cold reads")
+        if result.nbytes != size:
+            raise DeviceCorrupt(self.name, f"{path} shrank from {size} to {result.nbytes} bytes while being read")
         return size
+
+    def _say_direct_refused(self, what: str) -> None:
+        """The filesystem refused O_DIRECT for ``what`` (reads or writes), which the caller
+        stops asking for: said once, as it holds for the filesystem's life."""
+        self._once.say(
+            f"direct {what}:{self.name}",
+            f"tier '{self.name}': the filesystem of {self.root} refuses O_DIRECT; {what} are buffered",
+        )
 
     def _create(self, temp: str, directory: str) -> tuple[int, list[str]]:
         """Create ``temp``; also returns the directories that gained a fan-out
@@ -448,4 +471,6 @@ def open_file_device(section: FileTierSection, max_value_bytes: int) -> FileDevi
         max_value_bytes,
         fanout_levels=section.fanout_levels,
         fsync=section.fsync,
+        cold_reads_direct=section.cold_reads_direct,
+        direct_writes=section.direct_writes,
     )

@@ -139,11 +139,13 @@ def test_a_bad_parameter_file_names_its_key(tmp_path: Path, caplog: pytest.LogCa
 
 
 def test_the_fragment_size_is_the_devices_largest_object_and_splits_values() -> None:
-    device = SimCardDevice("card", CardParams(capacity_bytes=1 << 24), VirtualClock(), max_value_bytes=8192 + 64)
+    device = SimCardDevice(
+        "card", CardParams(capacity_bytes=1 << 24), VirtualClock(), max_value_bytes=8192 + HEADER_BYTES
+    )
     tier = card_tier(device, card_config(fragment_bytes=8192))
-    assert device.max_value_bytes == 8192 + 64
+    assert device.max_value_bytes == 8192 + HEADER_BYTES
     key = os.urandom(16)
-    assert tier.write(key, FINGERPRINT, os.urandom(3 * 8192))
+    assert tier.write(key, FINGERPRINT, os.urandom(3 * 8192 + 1))  # Three fragments and a byte.
     assert tier.index.get(key).parts == 4  # type: ignore[union-attr]
     assert tier.layout == card_layout(device.max_value_bytes)
 

@@ -17,6 +17,7 @@ from kvharbor.cache.format import (
     Codec,
     CorruptObject,
     EncodedPart,
+    ForeignFormat,
     Header,
     PayloadChecksum,
     ReadBack,
@@ -217,12 +218,17 @@ def _reheadered(part: EncodedPart, header: Header) -> bytearray:
     return bytearray(header.pack()) + part.payload
 
 
-def test_an_object_of_another_format_version_is_corrupt() -> None:
+def test_an_object_of_another_format_version_is_foreign_not_read() -> None:
     (part,) = encode(KEY, FINGERPRINT, kv_like(100))
     newer = dataclasses.replace(parse_header(part.header), version=FORMAT_VERSION + 1)
     objects = {KEY: _reheadered(part, newer)}
-    with pytest.raises(CorruptObject, match=f"format version {FORMAT_VERSION + 1}"):
+    with pytest.raises(ForeignFormat, match=f"format version {FORMAT_VERSION + 1}"):
         decode(KEY, FINGERPRINT, reader(objects))
+
+
+def test_the_payload_starts_on_a_page_edge() -> None:
+    (part,) = encode(KEY, FINGERPRINT, kv_like(100))
+    assert len(part.header) == HEADER_BYTES and HEADER_BYTES % 4096 == 0
 
 
 def test_a_header_that_lies_about_the_raw_length_is_corrupt() -> None:

@@ -209,7 +209,7 @@ def test_short_writes_and_reads_are_completed(tmp_path: Path, monkeypatch: pytes
     assert bytes(head) == bytes(range(12))
     slices: list[bytes] = []
     assert device.get_streamed(KEY, memoryview(bytearray(200)), lambda piece: slices.append(bytes(piece)), 64) == 123
-    assert b"".join(slices) == b"".join(value) and max(map(len, slices)) == 5
+    assert b"".join(slices) == b"".join(value) and max(map(len, slices)) <= 64
 
 
 @pytest.mark.parametrize("streamed", [False, True])

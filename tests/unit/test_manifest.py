@@ -273,7 +273,8 @@ def store(device: FileDevice, k: bytes, value: bytes) -> list[format.EncodedPart
 
 REBUILD_LINE = re.compile(
     r"kvharbor: tier 'local': manifest (?P<problem>.+); rebuilt from a scan of (?P<objects>\d+) "
-    r"objects \((?P<bytes>\d+) bytes\) in \d+\.\d\d s: (?P<kept>\d+) entries kept, "
+    r"objects \((?P<bytes>\d+) bytes\) in \d+\.\d\d s: (?P<kept>\d+) entries kept "
+    r"\((?P<foreign>\d+) of them objects of another format version, left to their release\), "
     r"(?P<dropped>\d+) damaged objects dropped"
 )
 
@@ -305,7 +306,14 @@ def test_a_missing_manifest_is_rebuilt_from_object_headers(tmp_path: Path, caplo
         index = open_manifest(device, "local")
 
     (line,) = rebuild_lines(caplog)
-    assert line == {"problem": "missing", "objects": "13", "bytes": str(scanned), "kept": "3", "dropped": "8"}
+    assert line == {
+        "problem": "missing",
+        "objects": "13",
+        "bytes": str(scanned),
+        "kept": "3",
+        "foreign": "0",
+        "dropped": "8",
+    }
     assert caplog.records[0].levelno == logging.INFO
     assert index.get(key(1)) == Entry(key(1), sum(p.nbytes for p in whole), 3, FINGERPRINT)
     assert index.get(key(2)) == Entry(key(2), single[0].nbytes, 1, FINGERPRINT)

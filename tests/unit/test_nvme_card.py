@@ -12,6 +12,7 @@ import pytest
 
 from kvharbor.cache.assembly import open_tier
 from kvharbor.cache.breaker import BreakerState
+from kvharbor.cache.format import HEADER_BYTES
 from kvharbor.cache.keys import LayoutFingerprint
 from kvharbor.cache.tier import Tier
 from kvharbor.config import validate_config
@@ -121,7 +122,7 @@ def test_the_tier_fragments_values_to_the_largest_one_command_carries(tmp_path: 
     standin = KvNamespaceStandIn(capacity_bytes=1 << 20, **limit)
     admin = NvmeAdmin("/dev/ng0n1", nvme_printing(tmp_path, "smart_log_v2.7.jsonc", None))
     tier = nvme_tier(open_kv_namespace("card", "/dev/null", 1 << 20, standin, admin), key_eviction=False)
-    key, data = os.urandom(16), os.urandom(3 * 8192)
+    key, data = os.urandom(16), os.urandom(3 * (8192 - HEADER_BYTES) + 1)  # Three fragments and a byte.
     assert tier.write(key, FINGERPRINT, data)
     assert tier.index.get(key).parts == 4  # type: ignore[union-attr]
     assert all(len(v) <= 8192 for v in standin.values.values()) and len(standin.values) == 4

@@ -204,7 +204,7 @@ def test_a_value_larger_than_the_tier_is_not_stored_and_evicts_nothing() -> None
     store = TieredStore([tier])
     kept = new_key()
     store.put(kept, FINGERPRINT, new_value())
-    assert not store.put(new_key(), FINGERPRINT, os.urandom(3 * VALUE_BYTES))
+    assert not store.put(new_key(), FINGERPRINT, os.urandom(3 * OBJECT_BYTES))
     assert held(tier, kept) and tier.counters.evictions == 0
 
 
@@ -314,7 +314,7 @@ def test_the_tier_comes_back_after_the_cooldown() -> None:
 def test_an_unstorable_write_does_not_wedge_a_half_open_breaker() -> None:
     _, flaky, key, _ = cooled_down_breaker()
     # The trial is taken by a write too large for the tier; it never reaches the device.
-    assert not flaky.write(new_key(), FINGERPRINT, os.urandom(200 * VALUE_BYTES))
+    assert not flaky.write(new_key(), FINGERPRINT, os.urandom(200 * OBJECT_BYTES))
     assert flaky.read(key, FINGERPRINT) is not None  # The next operation may still try.
     assert flaky.breaker.state is BreakerState.CLOSED
 
@@ -338,8 +338,9 @@ def _ram_tiers_config(*tiers: tuple[str, float]) -> dict[str, object]:
 
 
 def test_open_store_skips_a_tier_that_fails_its_probe(caplog: pytest.LogCaptureFixture) -> None:
-    # ~1 KB: too small to hold the 4 KiB probe object, so its write fails for real.
-    config = validate_config(_ram_tiers_config(("tiny", 1e-6), ("ram", 0.01)))
+    # ~5 KB: room for a header, too small to hold the 4 KiB probe object's, so its write
+    # fails for real.
+    config = validate_config(_ram_tiers_config(("tiny", 5e-6), ("ram", 0.01)))
     with caplog.at_level(logging.INFO):
         store = open_store(config)
     assert [t.name for t in store.tiers] == ["ram"]

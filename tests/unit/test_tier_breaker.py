@@ -27,6 +27,8 @@ from kvharbor.hal.shm_ram import SharedRamDevice
 FINGERPRINT = LayoutFingerprint(model_id="test/breaker-exits", chunk_size=16).digest()
 SETTINGS = BreakerSettings(failure_ratio=0.5, window=4, cooldown_s=10.0)
 PAGES = 8
+OBJECT_MAX_BYTES = HEADER_BYTES + PAGE_BYTES
+"""The devices' largest object: a header and a page of payload."""
 
 
 class Clock:
@@ -53,9 +55,9 @@ def half_open(
     opened and cooled down: the next operation is its trial. Returns the tier and the key."""
     clock = Clock()
     if device_type is None:
-        device: RamDevice | SharedRamDevice = RamDevice("t", PAGES * PAGE_BYTES, PAGE_BYTES)
+        device: RamDevice | SharedRamDevice = RamDevice("t", PAGES * PAGE_BYTES, OBJECT_MAX_BYTES)
     else:
-        device = device_type("t", memoryview(bytearray(PAGES * PAGE_BYTES)), 0, PAGE_BYTES)
+        device = device_type("t", memoryview(bytearray(PAGES * PAGE_BYTES)), 0, OBJECT_MAX_BYTES)
     breaker = CircuitBreaker(SETTINGS, clock=clock)
     tier = Tier("t", device, MemoryIndex(), PAGES * PAGE_BYTES, breaker, codec)
     key = os.urandom(16)
@@ -94,7 +96,7 @@ def write_unstorable(tier: Tier, key: bytes) -> None:
 
 
 def reserve_abandoned(tier: Tier, key: bytes) -> None:
-    reservation = tier.reserve(key, FINGERPRINT, PAGE_BYTES - HEADER_BYTES, frozenset())
+    reservation = tier.reserve(key, FINGERPRINT, OBJECT_MAX_BYTES - HEADER_BYTES, frozenset())
     assert reservation is not None
     tier.abandon(reservation)
 

@@ -18,15 +18,18 @@ from kvharbor.hal.ram import RamDevice
 from kvharbor.hal.shm_ram import SharedRamDevice
 
 FINGERPRINT = LayoutFingerprint(model_id="test/in-place", chunk_size=16).digest()
-VALUE_BYTES = PAGE_BYTES - HEADER_BYTES  # One value, one page.
+OBJECT_BYTES = HEADER_BYTES + PAGE_BYTES
+"""One value's room: its header's pages and one page of payload."""
+VALUE_BYTES = OBJECT_BYTES - HEADER_BYTES
 REGION_OFFSET = 2 * PAGE_BYTES
 
 
-def shared_tier(pages: int = 8, capacity_pages: int | None = None, codec: Codec = Codec.NONE) -> Tier:
-    """A shared RAM tier over ``pages`` pages of a segment; its budget is ``capacity_pages``."""
-    segment = memoryview(bytearray(REGION_OFFSET + pages * PAGE_BYTES))
-    device = SharedRamDevice("ram", segment[REGION_OFFSET:], REGION_OFFSET, pages * PAGE_BYTES)
-    capacity = (capacity_pages or pages) * PAGE_BYTES
+def shared_tier(objects: int = 8, capacity_objects: int | None = None, codec: Codec = Codec.NONE) -> Tier:
+    """A shared RAM tier over room for ``objects`` values in a segment; its budget is
+    ``capacity_objects`` values."""
+    segment = memoryview(bytearray(REGION_OFFSET + objects * OBJECT_BYTES))
+    device = SharedRamDevice("ram", segment[REGION_OFFSET:], REGION_OFFSET, objects * OBJECT_BYTES)
+    capacity = (capacity_objects or objects) * OBJECT_BYTES
     return Tier("ram", device, MemoryIndex(), capacity, CircuitBreaker(BreakerSettings()), codec)
 
 
@@ -76,7 +79,7 @@ def test_the_checksum_covers_the_bytes_where_they_stay() -> None:
 
 def test_room_for_a_reservation_comes_from_the_least_recent_unpinned_values() -> None:
     # The device holds four values; its budget would hold more, so only the device is full.
-    tier = shared_tier(pages=4, capacity_pages=8)
+    tier = shared_tier(objects=4, capacity_objects=8)
     keys = [new_key() for _ in range(4)]
     for key in keys:
         assert write(tier, key, os.urandom(VALUE_BYTES))
@@ -88,20 +91,20 @@ def test_room_for_a_reservation_comes_from_the_least_recent_unpinned_values() ->
 
 
 def test_an_abandoned_reservation_gives_its_room_back() -> None:
-    tier = shared_tier(pages=1)
+    tier = shared_tier(objects=1)
     reservation = tier.reserve(new_key(), FINGERPRINT, VALUE_BYTES, frozenset())
     assert reservation is not None
-    assert tier.reserve(new_key(), FINGERPRINT, VALUE_BYTES, frozenset()) is None, "one page, lent"
+    assert tier.reserve(new_key(), FINGERPRINT, VALUE_BYTES, frozenset()) is None, "all its room, lent"
     tier.abandon(reservation)
     assert write(tier, new_key(), os.urandom(VALUE_BYTES))
-    assert tier.device.usage().used_bytes == PAGE_BYTES
+    assert tier.device.usage().used_bytes == OBJECT_BYTES
 
 
 @pytest.mark.parametrize(
     ("tier", "nbytes"),
     [
         (shared_tier(codec=Codec.LZ4), VALUE_BYTES),  # Encoded values are written by the tier.
-        (shared_tier(pages=2), 2 * PAGE_BYTES),  # Larger than the device's largest value.
+        (shared_tier(objects=2), 2 * OBJECT_BYTES),  # Larger than the device's largest value.
         (private_tier("ram"), VALUE_BYTES),  # Not a shared-memory device.
     ],
     ids=["codec", "too-large", "not-shared"],
@@ -156,7 +159,7 @@ def test_copy_with_checksum_copies_and_hashes_every_byte(nbytes: int) -> None:
 
 
 def test_room_is_found_past_a_long_run_of_pinned_least_recent_values() -> None:
-    tier = shared_tier(pages=20, capacity_pages=40)
+    tier = shared_tier(objects=20, capacity_objects=40)
     keys = [new_key() for _ in range(20)]
     for key in keys:
         assert write(tier, key, os.urandom(VALUE_BYTES))

@@ -1,0 +1,168 @@
+"""Reading one file into memory at the page cache's speed or the disk's, consumed as it lands.
+
+A file tier's get copies the file into the caller's buffer and checksums it. Done in one
+thread, one after the other, the hash (~16 GB/s here) adds to the kernel's copy (~10 GB/s
+from the page cache): a 32 MiB value then reads at ~6 GB/s. Here I/O threads read the file in
+chunks (`kvharbor.hal.block.pipeline.chunk_plan`: small first and last chunks, 4 MiB
+between) while the caller's thread consumes (hashes) the chunks before: ``preadv`` lets go of
+the GIL, and so does xxhash's streaming update, so the two overlap and the read goes at the
+copy's speed. Every chunk is queued at once; the pool's threads bound how many are in flight.
+
+Cold reads (`ReadPlan.cold_direct`): a file whose first chunk is not in the page cache (a
+``preadv2`` with ``RWF_NOWAIT`` says so without waiting for the disk) is read with O_DIRECT,
+from the disk straight into the caller's buffer, skipping the copy through the page cache,
+where the buffer's address allows it (the gateway's shared segment is page-aligned) and the
+filesystem takes O_DIRECT. Its last partial block is read buffered. The direct descriptor is
+opened through ``/proc/self/fd``, so it reads the very file the buffered one has open (one
+version of the value, even while a put renames a new one over it). A filesystem that refuses
+O_DIRECT, at the open or at the first read (EINVAL: tmpfs on older kernels, some FUSE and
+network filesystems), is read buffered instead, seamlessly (a chunk refused is read again
+buffered, in the same I/O thread), and `ReadResult.refused` tells the caller, who stops asking
+for O_DIRECT and says so once. Whether O_DIRECT is faster depends on the disk: on these VMs
+neither wins clearly (bench/store.py measures both), so it is a setting, off by default
+(``storage.tiers[].cold_reads_direct``).
+
+Contract: every chunk's read has finished when `read_file` returns or raises, so the caller
+may reuse its buffer at once; ``consume`` sees consecutive slices of at most ``slice_bytes``,
+in order, covering what was read exactly once, and only bytes that a read has filled.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from kvharbor.hal.base import SliceConsumer
+from kvharbor.hal.block.direct import address, dio_memory_alignment
+from kvharbor.hal.block.layout import BLOCK_BYTES
+from kvharbor.hal.block.pipeline import chunk_plan
+from kvharbor.hal.posix import read_into
+
+READ_THREADS = 2
+"""I/O threads per file device: one keeps the copy going beside the caller's hashing; a
+second keeps a chunk queued at the disk while the first one's result is handed back."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReadPlan:
+    """How `read_file` reads one file."""
+
+    size_bytes: int
+    """The file's size (its ``fstat`` through the descriptor that reads it)."""
+    cold_direct: bool
+    """Read the file with O_DIRECT when its first chunk is not in the page cache."""
+    slice_bytes: int
+    """The most ``consume`` is handed at once."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReadResult:
+    nbytes: int
+    """Bytes read: the size, or less when the file ended early (it shrank: the caller says so)."""
+    direct: bool
+    """O_DIRECT read the file's whole blocks."""
+    refused: bool
+    """The filesystem refused O_DIRECT (EINVAL at the open or at a read): read buffered."""
+
+
+def read_file(
+    pool: ThreadPoolExecutor, fd: int, into: memoryview, plan: ReadPlan, consume: SliceConsumer | None
+) -> ReadResult:
+    """Read the file open as ``fd`` into ``into[:plan.size_bytes]``, handing each slice to
+    ``consume`` in order as soon as it holds its bytes (see the module docstring). OSError
+    as the reads raise it."""
+    size = plan.size_bytes
+    assert into.nbytes >= size and plan.slice_bytes > 0, (into.nbytes, size, plan.slice_bytes)
+    whole = size // BLOCK_BYTES * BLOCK_BYTES
+    chunks = [*chunk_plan(0, whole), *([(whole, size)] if size > whole else [])]
+    if len(chunks) <= 1:  # Nothing to overlap.
+        got = read_into(fd, into[:size])
+        _hand_out(into, 0, got, consume, plan.slice_bytes)
+        return ReadResult(got, False, False)
+    # Read whole and in order: the kernel's readahead for a cold file doubles its window.
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+    head_hi = chunks[0][1]
+    if not plan.cold_direct or whole == 0:
+        return _pipelined(pool, fd, None, into, chunks, consume, plan.slice_bytes, whole)
+    if _cached(fd, into[:head_hi]):
+        _hand_out(into, 0, head_hi, consume, plan.slice_bytes)
+        return _pipelined(pool, fd, None, into, chunks[1:], consume, plan.slice_bytes, whole)
+    if into.readonly or address(into) % dio_memory_alignment(fd):
+        # The buffer's address does not allow O_DIRECT: buffered, quietly (not the filesystem's doing).
+        return _pipelined(pool, fd, None, into, chunks, consume, plan.slice_bytes, whole)
+    try:
+        # Through /proc/self/fd: the very file ``fd`` reads, whatever was renamed over its name since.
+        direct = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+    except OSError as err:
+        if err.errno != errno.EINVAL:
+            raise
+        result = _pipelined(pool, fd, None, into, chunks, consume, plan.slice_bytes, whole)
+        return ReadResult(result.nbytes, False, True)
+    try:
+        return _pipelined(pool, fd, direct, into, chunks, consume, plan.slice_bytes, whole)
+    finally:
+        os.close(direct)
+
+
+def _cached(fd: int, head: memoryview) -> bool:
+    """Read ``head`` (the file's first chunk) only if the page cache holds it all; whether it
+    did. A filesystem without ``RWF_NOWAIT`` for reads says EOPNOTSUPP: taken as cached (read
+    buffered)."""
+    try:
+        return bool(os.preadv(fd, [head], 0, os.RWF_NOWAIT) == head.nbytes)
+    except BlockingIOError:
+        return False
+    except OSError as err:
+        if err.errno == errno.EOPNOTSUPP:
+            return True
+        raise
+
+
+def _pipelined(
+    pool: ThreadPoolExecutor,
+    fd: int,
+    direct: int | None,
+    into: memoryview,
+    chunks: list[tuple[int, int]],
+    consume: SliceConsumer | None,
+    slice_bytes: int,
+    whole: int,
+) -> ReadResult:
+    """Read ``chunks`` of the file by the pool's threads, all queued at once, consuming each
+    in the caller's thread once it landed; the chunks within the file's ``whole`` blocks
+    through ``direct`` where it is given (one it refuses, with EINVAL, through ``fd``)."""
+    refused = threading.Event()
+
+    def read_chunk(lo: int, hi: int) -> int:
+        if direct is not None and hi <= whole and not refused.is_set():
+            try:
+                return read_into(direct, into[lo:hi], lo)
+            except OSError as err:
+                if err.errno != errno.EINVAL:
+                    raise
+                refused.set()  # A buffered read never answers EINVAL for a valid range.
+        return read_into(fd, into[lo:hi], lo)
+
+    futures: list[Future[int]] = [pool.submit(read_chunk, lo, hi) for lo, hi in chunks]
+    got = chunks[0][0]
+    try:
+        for (lo, hi), future in zip(chunks, futures, strict=True):
+            n = future.result()
+            got = _hand_out(into, lo, lo + n, consume, slice_bytes)
+            if n != hi - lo:
+                break  # The file ended early; the caller says so.
+    finally:
+        for future in futures:
+            future.exception()  # Every chunk finishes before ``into`` is the caller's again.
+    return ReadResult(got, direct is not None and not refused.is_set(), refused.is_set())
+
+
+def _hand_out(into: memoryview, lo: int, hi: int, consume: SliceConsumer | None, slice_bytes: int) -> int:
+    """Hand ``into[lo:hi]`` to ``consume`` in slices of at most ``slice_bytes``; returns ``hi``."""
+    if consume is not None:
+        for a in range(lo, hi, slice_bytes):
+            consume(into[a : min(a + slice_bytes, hi)])
+    return hi

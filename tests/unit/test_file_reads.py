@@ -1,0 +1,263 @@
+"""File tier reads: pipelined chunks consumed in order, O_DIRECT for cold files where it is
+asked for, and a clean fallback where the filesystem refuses O_DIRECT.
+
+This kernel's tmpfs and ext4 both take O_DIRECT, so a refusal is injected where the kernel
+would answer it: EINVAL from ``open`` or from an aligned ``preadv`` of the direct descriptor."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import mmap
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvharbor.cache.breaker import BreakerSettings, CircuitBreaker
+from kvharbor.cache.format import HEADER_BYTES
+from kvharbor.cache.keys import LayoutFingerprint
+from kvharbor.cache.manifest import open_manifest
+from kvharbor.cache.tier import Tier
+from kvharbor.config import validate_config
+from kvharbor.hal.block.direct import address
+from kvharbor.hal.file import FileDevice, open_file_device
+
+KEY = bytes.fromhex("abcd" + "11" * 14)
+VALUE_BYTES = 3 * (1 << 20) + 123  # Several chunks, the last a partial block.
+SLICE_BYTES = 100_000
+FINGERPRINT = LayoutFingerprint(model_id="test/file-reads", chunk_size=16).digest()
+
+
+def aligned(nbytes: int) -> memoryview:
+    return memoryview(mmap.mmap(-1, nbytes))
+
+
+def value() -> bytes:
+    return os.urandom(VALUE_BYTES)
+
+
+def object_path(root: Path, key: bytes) -> Path:
+    name = key.hex()
+    return root / name[0:2] / name[2:4] / name
+
+
+def drop_cached(path: Path) -> None:
+    """Drop ``path``'s (clean: fsynced) pages from the page cache."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+class DirectOpens:
+    """Watches ``os.open`` for O_DIRECT (optionally answering it EINVAL, as a filesystem that
+    refuses it does), and ``os.preadv`` of those descriptors (optionally EINVAL too)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, refuse_open: bool = False, refuse_read: bool = False) -> None:
+        self.opened = 0
+        self.direct_fds: set[int] = set()
+        self.direct_reads = 0
+        real_open, real_preadv = os.open, os.preadv
+
+        def watched_open(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+            if flags & os.O_DIRECT:
+                self.opened += 1
+                if refuse_open:
+                    raise OSError(errno.EINVAL, "Invalid argument")
+                fd = real_open(path, flags, *args, **kwargs)
+                self.direct_fds.add(fd)
+                return fd
+            return real_open(path, flags, *args, **kwargs)
+
+        def watched_preadv(fd: int, buffers: Any, offset: int, *flags: int) -> int:
+            if fd in self.direct_fds:
+                self.direct_reads += 1
+                if refuse_read:
+                    raise OSError(errno.EINVAL, "Invalid argument")
+            return real_preadv(fd, buffers, offset, *flags)
+
+        monkeypatch.setattr(os, "open", watched_open)
+        monkeypatch.setattr(os, "preadv", watched_preadv)
+
+
+@pytest.fixture
+def device(tmp_path: Path) -> Iterator[FileDevice]:
+    made = FileDevice("local", str(tmp_path / "tier"), 1 << 23, cold_reads_direct=True)
+    yield made
+    made.close()
+
+
+def stored_cold(device: FileDevice, data: bytes) -> None:
+    device.put(KEY, [data])
+    drop_cached(object_path(Path(device.root), KEY))
+
+
+def streamed(device: FileDevice, into: memoryview) -> tuple[bytes, list[int]]:
+    slices: list[bytes] = []
+    got = device.get_streamed(KEY, into, lambda piece: slices.append(bytes(piece)), SLICE_BYTES)
+    assert got == VALUE_BYTES
+    return b"".join(slices), [len(piece) for piece in slices]
+
+
+def test_a_streamed_read_hands_out_every_byte_once_in_order_in_bounded_slices(device: FileDevice) -> None:
+    device.cold_reads_direct = False
+    data = value()
+    device.put(KEY, [data])
+    into = aligned(VALUE_BYTES)
+    joined, sizes = streamed(device, into)
+    assert joined == data and bytes(into) == data
+    assert max(sizes) <= SLICE_BYTES and len(sizes) > VALUE_BYTES // SLICE_BYTES
+
+
+def test_a_cold_file_is_read_with_o_direct(device: FileDevice, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = value()
+    stored_cold(device, data)
+    opens = DirectOpens(monkeypatch)
+    joined, sizes = streamed(device, aligned(VALUE_BYTES))
+    assert joined == data and max(sizes) <= SLICE_BYTES
+    assert opens.opened == 1 and opens.direct_reads >= 1
+    drop_cached(object_path(Path(device.root), KEY))
+    whole = aligned(VALUE_BYTES)
+    assert device.get(KEY, whole) == VALUE_BYTES and bytes(whole) == data  # A plain get too.
+    assert opens.opened == 2
+
+
+def test_a_warm_file_is_read_through_the_page_cache(device: FileDevice, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = value()
+    device.put(KEY, [data])  # Just written: its pages are cached.
+    opens = DirectOpens(monkeypatch)
+    assert streamed(device, aligned(VALUE_BYTES))[0] == data
+    assert opens.opened == 0
+
+
+def test_a_buffer_off_a_page_edge_is_read_buffered(device: FileDevice, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = value()
+    stored_cold(device, data)
+    opens = DirectOpens(monkeypatch)
+    into = aligned(VALUE_BYTES + 1)[1:]  # O_DIRECT cannot read to this address.
+    assert streamed(device, into)[0] == data
+    assert opens.opened == 0 and device.cold_reads_direct, "no judgement of the filesystem"
+
+
+@pytest.mark.parametrize("where", ["open", "read"])
+def test_a_filesystem_refusing_o_direct_gets_buffered_reads_said_once(
+    device: FileDevice, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, where: str
+) -> None:
+    data = value()
+    stored_cold(device, data)
+    opens = DirectOpens(monkeypatch, refuse_open=where == "open", refuse_read=where == "read")
+    with caplog.at_level(logging.WARNING):
+        joined, sizes = streamed(device, aligned(VALUE_BYTES))
+        assert joined == data and max(sizes) <= SLICE_BYTES, "every byte once, as if nothing happened"
+        assert not device.cold_reads_direct
+        drop_cached(object_path(Path(device.root), KEY))
+        assert streamed(device, aligned(VALUE_BYTES))[0] == data
+    assert opens.opened == 1, "not asked again"
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [
+        f"kvharbor: tier 'local': the filesystem of {device.root} refuses O_DIRECT; cold reads are buffered"
+    ]
+
+
+def test_the_setting_reaches_the_device(tmp_path: Path) -> None:
+    config = validate_config(
+        {
+            "storage": {
+                "tiers": [
+                    {
+                        "name": "local",
+                        "type": "file",
+                        "path": str(tmp_path),
+                        "capacity_gb": 1,
+                        "cold_reads_direct": True,
+                    }
+                ]
+            }
+        }
+    )
+    made = open_file_device(config.storage.tiers[0], 1 << 20)  # type: ignore[arg-type]
+    try:
+        assert made.cold_reads_direct
+    finally:
+        made.close()
+
+
+# -- writes -------------------------------------------------------------------
+
+
+class DirectWrites:
+    """Counts writes made while the descriptor has O_DIRECT set (optionally answering them
+    EINVAL, as a filesystem that refuses O_DIRECT does)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, refuse: bool = False) -> None:
+        self.direct = 0
+        real_pwritev = os.pwritev
+
+        def watched_pwritev(fd: int, buffers: Any, offset: int, *flags: int) -> int:
+            if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+                self.direct += 1
+                if refuse:
+                    raise OSError(errno.EINVAL, "Invalid argument")
+            return real_pwritev(fd, buffers, offset, *flags)
+
+        monkeypatch.setattr(os, "pwritev", watched_pwritev)
+
+
+def header_and_payload() -> tuple[bytes, memoryview]:
+    """An object's parts as a tier writes them: a page of header, the payload page-aligned."""
+    payload = aligned(VALUE_BYTES)
+    payload[:] = value()
+    return os.urandom(4096), payload
+
+
+def test_a_direct_write_stores_every_byte(device: FileDevice, monkeypatch: pytest.MonkeyPatch) -> None:
+    device.direct_writes = True
+    head, payload = header_and_payload()
+    writes = DirectWrites(monkeypatch)
+    device.put(KEY, [head, payload])
+    assert writes.direct >= 2  # The header's page and the payload's whole blocks.
+    stored = object_path(Path(device.root), KEY).read_bytes()
+    assert stored == head + bytes(payload)
+    unaligned = memoryview(bytearray(payload))  # Not on a page edge: written buffered.
+    writes.direct = 0
+    device.put(KEY, [head, unaligned])
+    assert writes.direct == 0 and object_path(Path(device.root), KEY).read_bytes() == stored
+
+
+def test_a_filesystem_refusing_direct_writes_gets_buffered_ones_said_once(
+    device: FileDevice, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    device.direct_writes = True
+    head, payload = header_and_payload()
+    writes = DirectWrites(monkeypatch, refuse=True)
+    with caplog.at_level(logging.WARNING):
+        device.put(KEY, [head, payload])
+        device.put(KEY, [head, payload])
+    assert object_path(Path(device.root), KEY).read_bytes() == head + bytes(payload)
+    assert writes.direct == 1 and not device.direct_writes, "not asked again"
+    assert [r.getMessage() for r in caplog.records] == [
+        f"kvharbor: tier 'local': the filesystem of {device.root} refuses O_DIRECT; writes are buffered"
+    ]
+
+
+def test_a_value_read_into_page_aligned_memory_lies_page_aligned(tmp_path: Path) -> None:
+    """What format 2 is for: the payload a page into the object, so the engine's copy (and
+    O_DIRECT) find it on a page edge in the gateway's segment."""
+    made = FileDevice("local", str(tmp_path / "tier"), 1 << 23)
+    tier = Tier("local", made, open_manifest(made, "local"), 1 << 26, CircuitBreaker(BreakerSettings()))
+    try:
+        data = value()
+        assert tier.write(KEY, FINGERPRINT, data)
+        landing = aligned(VALUE_BYTES + HEADER_BYTES)
+        got = tier.read(KEY, FINGERPRINT, lambda nbytes: landing[:nbytes])
+        assert got is not None and bytes(got) == data
+        assert address(got) % mmap.PAGESIZE == 0
+        fresh = tier.read(KEY, FINGERPRINT)  # Into the tier's own buffer: aligned as well.
+        assert fresh is not None and address(fresh) % mmap.PAGESIZE == 0
+    finally:
+        tier.close()
