@@ -25,7 +25,7 @@ PY="${VENV}/bin/python"
 # triton: sglang/srt/utils/common.py imports it at top level, even on CPU.
 DEPS=(
     numpy orjson psutil pybase64 requests triton packaging pillow starlette msgspec pydantic
-    pyzmq tqdm IPython aiohttp
+    pyzmq tqdm IPython aiohttp dill
     "transformers==5.19.0" "tokenizers==0.23.2" "xgrammar==0.2.7" "apache-tvm-ffi==0.1.11"
     fastapi "uvicorn>=0.51" uvloop python-multipart prometheus-client setproctitle regex einops
     interegular partial_json_parser sentencepiece tiktoken xxhash zstandard scipy

@@ -30,9 +30,15 @@ HEAD_DIM = 64
 DEVICE_TOKENS = 512
 
 
-def host_pool(page_size: int = 16, layout: str = "page_first", dtype: torch.dtype = torch.bfloat16) -> Any:
+def host_pool(
+    page_size: int = 16,
+    layout: str = "page_first",
+    dtype: torch.dtype = torch.bfloat16,
+    device_tokens: int = DEVICE_TOKENS,
+) -> Any:
+    """A host pool twice the size of a device pool of ``device_tokens``."""
     device = MHATokenToKVPool(
-        DEVICE_TOKENS, page_size, dtype, HEADS, HEAD_DIM, LAYERS, "cpu", False, start_layer=0, end_layer=LAYERS
+        device_tokens, page_size, dtype, HEADS, HEAD_DIM, LAYERS, "cpu", False, start_layer=0, end_layer=LAYERS
     )
     return MHATokenToKVPoolHost(
         device.get_device_pool_infos()[0].buffer_info,
