@@ -38,7 +38,7 @@ from typing import Any
 
 import yaml
 
-from kvharbor.connector.env import ENV_ENABLE, enabled, env_flag
+from kvharbor.connector.env import enabled, env_flag
 from kvharbor.telemetry.log import PREFIX, OnceLog, attach_to_engine_log, get_logger
 
 _log = get_logger("kvharbor.connector.sglang")
@@ -131,7 +131,7 @@ def plan(args: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> A
             lines=(
                 (
                     logging.WARNING,
-                    f"{ENV_ENABLE}=1 but an explicit --hicache-storage-backend ({backend}) was given; it wins "
+                    f"KVHARBOR=1 but an explicit --hicache-storage-backend ({backend}) was given; it wins "
                     "and kvharbor stays off. Remove it so that kvharbor becomes the storage backend",
                 ),
             )
@@ -144,7 +144,7 @@ def plan(args: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> A
                 lines=(
                     (
                         logging.WARNING,
-                        f"{ENV_ENABLE}=1 but the radix cache is disabled and {ENV_FORCE_RADIX}=0; HiCache "
+                        "KVHARBOR=1 but the radix cache is disabled and KVHARBOR_FORCE_RADIX=0; HiCache "
                         "can't run without it, so the kvharbor backend stays off for this launch",
                     ),
                 )
@@ -153,8 +153,8 @@ def plan(args: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> A
         lines.append(
             (
                 logging.WARNING,
-                f"{ENV_ENABLE}=1 re-enabled SGLang's radix (prefix) cache, which the launch disabled: HiCache "
-                f"needs it ({ENV_FORCE_RADIX}=0 keeps it disabled, and kvharbor off)",
+                "KVHARBOR=1 re-enabled SGLang's radix (prefix) cache, which the launch disabled: HiCache "
+                "needs it (KVHARBOR_FORCE_RADIX=0 keeps it disabled, and kvharbor off)",
             )
         )
     merged = {**backend_extra_config(), **extra}
@@ -190,7 +190,7 @@ def plan(args: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> A
     fields["enable_hierarchical_cache"] = True
     fields["hicache_storage_backend"] = "dynamic"
     fields["hicache_storage_backend_extra_config"] = json.dumps(merged)
-    lines.append((logging.INFO, f"{ENV_ENABLE}=1: kvharbor is SGLang's HiCache storage backend"))
+    lines.append((logging.INFO, "KVHARBOR=1: kvharbor is SGLang's HiCache storage backend"))
     return Activation(fields, tuple(lines))
 
 
@@ -212,8 +212,8 @@ def fill_server_args(server_args: Any, environ: Mapping[str, str] | None = None)
                      f"meanwhile pass the flags explicitly: {explicit_flags()}", level=logging.ERROR):  # fmt: skip
             _log.exception("%sthe error that stopped it", PREFIX)
         return False
-    for level, line in activation.lines:
-        _once.say(line, line, level=level)
+    for level, line in activation.lines:  # Once per launch: its other processes find the backend set.
+        _log.log(level, "%s%s", PREFIX, line)
     return bool(activation.fields)
 
 
