@@ -46,6 +46,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
+from kvharbor.cache.format import copy_with_checksum
 from kvharbor.cache.keys import ChunkKey, namespace_tag
 from kvharbor.config import Config, ConfigError
 from kvharbor.connector.extra_config import config_from_extra
@@ -216,8 +217,8 @@ class KVHarborStorage(HiCacheStorage):
             self._once.say("bad-value", f"SGLang passed a page kvharbor cannot store ({err}); not stored")
             return False
 
-        def fill(i: int, view: memoryview) -> None:
-            view[:] = sources[i]
+        def fill(i: int, view: memoryview) -> int:
+            return copy_with_checksum(sources[i], view)
 
         return all(self._store(layout, keys, fill))
 

@@ -16,7 +16,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import xxhash
 
+from kvharbor.cache.format import COPY_SLICE_BYTES
 from kvharbor.connector.sglang.keys import BackendRefusal
 
 SUPPORTED_POOLS = frozenset({"MHATokenToKVPoolHost"})
@@ -92,12 +94,20 @@ class HostPages:
             result.append(tuple(pairs[0::2] + pairs[1::2]))
         return result
 
-    def read(self, spans: Sequence[Span], into: memoryview) -> None:
-        """Copy one page out of the pool into ``into`` (`page_bytes` long)."""
+    def read(self, spans: Sequence[Span], into: memoryview) -> int:
+        """Copy one page out of the pool into ``into`` (`page_bytes` long); returns the
+        `kvharbor.cache.format.checksum` of the page, hashing each slice just copied while
+        it is still in the CPU cache (as `copy_with_checksum` does): one pass over memory."""
+        hasher = xxhash.xxh3_64()
         position = 0
         for offset, size in spans:
-            into[position : position + size] = self._memory[offset : offset + size]
-            position += size
+            for start in range(0, size, COPY_SLICE_BYTES):
+                length = min(COPY_SLICE_BYTES, size - start)
+                target = into[position : position + length]
+                target[:] = self._memory[offset + start : offset + start + length]
+                hasher.update(target)
+                position += length
+        return hasher.intdigest()
 
     def write(self, spans: Sequence[Span], source: memoryview) -> None:
         """Copy one stored page (`page_bytes` long) into the pool."""
