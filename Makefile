@@ -1,8 +1,12 @@
 # The two commands of the README's quick start, and the checks CI runs.
 .PHONY: setup demo test lint wheel bench
 
+# SGLang pins another torch than vLLM: its tests run in a venv of their own.
+SGLANG_VENV ?= .venv-sglang
+
 setup:
 	bash scripts/setup.sh
+	KVHARBOR_SGLANG_VENV="$(SGLANG_VENV)" bash scripts/setup-sglang.sh
 
 demo: setup
 	.venv/bin/python -m kvharbor demo
@@ -10,8 +14,10 @@ demo: setup
 # Lint and types first: they take seconds and fail fast. Then the wheel (dist/, what
 # users install), then every test, one of which installs that wheel into a fresh venv;
 # pytest exits non-zero on any failure and on "no tests collected" (exit code 5).
+# tests/sglang then run with the SGLang venv's python (the first run leaves them out).
 test: setup lint wheel
 	KVHARBOR_WHEEL="$$(ls dist/kvharbor-*.whl)" .venv/bin/python -m pytest -q -ra --durations=15
+	$(SGLANG_VENV)/bin/python -m pytest -q -ra --durations=5 tests/sglang
 
 # The wheel of this tree, without its dependencies: pip install 'dist/kvharbor-<version>-py3-none-any.whl[vllm]'.
 wheel:
@@ -29,3 +35,4 @@ bench: setup
 	.venv/bin/python bench/manifest.py
 	.venv/bin/python bench/ipc.py
 	.venv/bin/python bench/e2e.py
+	$(SGLANG_VENV)/bin/python bench/sglang.py

@@ -666,6 +666,18 @@ class TelemetrySection(_Section):
     )
 
 
+class SglangSection(_Section):
+    """kvharbor as SGLang's HiCache storage backend (`kvharbor.connector.sglang`)."""
+
+    shutdown_flush_ms: int = Field(
+        10_000, ge=0, description="how long SGLang's shutdown waits for queued page writes to be stored"
+    )
+    """SGLang stops its storage threads at shutdown without writing the pages still queued
+    for storage: a restart right after a long prompt would then miss them. kvharbor writes
+    them first, for at most this long; what is left after it is said once and not stored.
+    0: write nothing more at shutdown."""
+
+
 SHARED_SECTIONS = ("storage", "card")
 """The sections every engine of one gateway must have in common: what the gateway stores
 and where. Not ``engine``: its layout, namespace and chunk size are in every key, so
@@ -747,6 +759,7 @@ class Config(_Section):
     card: CardSection = CardSection()
     dashboard: DashboardSection = DashboardSection()
     telemetry: TelemetrySection = TelemetrySection()
+    sglang: SglangSection = SglangSection()
 
     @model_validator(mode="after")
     def _resolve_gateway(self) -> Config:

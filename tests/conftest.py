@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import signal
 from collections.abc import Iterator
@@ -14,6 +15,12 @@ import pytest
 from kvharbor.demo.model import build_tiny_model
 from kvharbor.gateway import embedded
 from tests.support.real_gateway import RealGateway
+
+# tests/sglang need SGLang, which pins another torch than vLLM: they run in the SGLang venv
+# (scripts/setup-sglang.sh; `make test` runs them there after the rest).
+# (A namespace package is this folder itself, seen from tests/ on sys.path: not SGLang.)
+_sglang = importlib.util.find_spec("sglang")
+collect_ignore = [] if _sglang is not None and _sglang.origin is not None else ["sglang"]
 
 
 @pytest.fixture(scope="session")

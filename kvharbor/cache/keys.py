@@ -53,6 +53,7 @@ _PERSON_LAYOUT = b"kvharbor.layout1"
 _PERSON_FRAGMENT = b"kvharbor.frag1"
 _PERSON_TIER_LAYOUT = b"kvharbor.tier1"
 _PERSON_NAMESPACE = b"kvharbor.ns1"
+_PERSON_ENGINE_PAGE = b"kvharbor.page1"
 
 TOKEN_ID_MAX = 2**32 - 1
 """Token ids are hashed as little-endian uint32; larger ids are refused."""
@@ -300,6 +301,23 @@ def chunk_keys(
         previous = h.digest()
         keys.append(ChunkKey(previous))
     return keys
+
+
+def engine_page_key(fingerprint_digest: bytes, page_hash: bytes) -> ChunkKey:
+    """The key of one page that an engine names by a prefix-chained hash of its own (SGLang's
+    SHA-256 page hashes), inside the layout ``fingerprint_digest``.
+
+    key = BLAKE2b-128(fingerprint digest || page hash), in a hash domain of its own: such a
+    key never equals a `chunk_keys` key, a fingerprint or a fragment key. The engine's hash
+    already stands for the whole prefix up to its page, so the keys chain as `chunk_keys`
+    do; the fingerprint keeps pages of another layout, page size or rank apart.
+    """
+    check_key(fingerprint_digest)
+    if not page_hash:
+        raise ValueError("an engine page hash is empty")
+    h = blake2b(fingerprint_digest, digest_size=KEY_BYTES, person=_PERSON_ENGINE_PAGE)
+    h.update(page_hash)
+    return ChunkKey(h.digest())
 
 
 def max_hit_tokens(num_tokens: int, chunk_size: int) -> int:

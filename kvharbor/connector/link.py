@@ -273,7 +273,7 @@ class CacheLink:
         self,
         fingerprint: bytes,
         items: Sequence[tuple[bytes, int]],
-        fill: Callable[[int, memoryview], None],
+        fill: Callable[[int, memoryview], int | None],
         settle: Callable[[], None] | None = None,
         on_filled: Callable[[], None] | None = None,
         in_time: Callable[[], bool] | None = None,
@@ -283,7 +283,9 @@ class CacheLink:
         ``namespace``: the writer's `kvharbor.cache.keys.namespace_tag`, kept in the headers.
 
         Returns how many the gateway stored; values already stored are skipped
-        without being filled. Each value is marked complete (`PutBatch.mark`) as
+        without being filled. A ``fill`` may return the `kvharbor.cache.format.checksum`
+        of the bytes it wrote, taken as it wrote them: when every fill of a batch does,
+        the gateway need not read the values again to checksum them. Each value is marked complete (`PutBatch.mark`) as
         soon as its bytes are in place: right after its ``fill``, or, when ``fill``
         only starts a copy (a DMA), once ``settle()`` has waited for every copy.
         ``on_filled`` runs after the marks and before the (slower) commit: the
@@ -303,7 +305,9 @@ class CacheLink:
                 if view is None:
                     self.counters.skipped_chunks += 1
                     continue
-                fill(i, view)
+                written = fill(i, view)
+                if written is not None:
+                    batch.checksums[i] = written
                 if settle is None and in_time is None:
                     batch.mark(i)
                 lent.append(i)

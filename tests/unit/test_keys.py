@@ -270,3 +270,17 @@ def test_golden_chunk_keys_full_size_chunks_and_chain_continuation() -> None:
 
 def test_golden_fragment_key() -> None:
     assert fragment_key(bytes(range(16)), 1).hex() == "d66fda8aa3af97d176a262c15b670ecb"
+
+
+def test_engine_page_keys_are_stable_and_apart_per_layout_and_hash() -> None:
+    from kvharbor.cache.keys import engine_page_key
+
+    a = LayoutFingerprint(model_id="m", chunk_size=16).digest()
+    b = LayoutFingerprint(model_id="m", chunk_size=32).digest()
+    page = bytes(range(32))
+    assert engine_page_key(a, page) == engine_page_key(a, bytes(page))
+    assert len({engine_page_key(a, page), engine_page_key(b, page), engine_page_key(a, page[:-1] + b"x")}) == 3
+    # Its own hash domain: the same input bytes as a token chunk give another key.
+    assert engine_page_key(a, page) not in chunk_keys(a, 8, list(range(8)))
+    with pytest.raises(ValueError, match="empty"):
+        engine_page_key(a, b"")

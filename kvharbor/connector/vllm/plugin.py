@@ -12,25 +12,21 @@ always wins, and a log line says so.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping
 from typing import Any
 
+from kvharbor.connector.env import ENV_ENABLE, enabled
 from kvharbor.connector.vllm.compat import SUPPORTED, version_supported, vllm_version
 from kvharbor.telemetry.log import OnceLog, attach_to_engine_log, get_logger
 
-ENV_ENABLE = "KVHARBOR"
+__all__ = ["ENV_ENABLE", "choose_transfer_config", "enabled", "register", "transfer_config"]
+
 CONNECTOR_NAME = "KVHarborConnector"
 CONNECTOR_MODULE = "kvharbor.connector.vllm.connector"
 
 _log = get_logger("kvharbor.connector.vllm")
 _once = OnceLog(_log)
 _MARK = "__kvharbor_wrapped__"
-
-
-def enabled(environ: Mapping[str, str] | None = None) -> bool:
-    value = (environ if environ is not None else os.environ).get(ENV_ENABLE, "").strip().lower()
-    return value not in ("", "0", "false", "no", "off")
 
 
 def transfer_config() -> dict[str, Any]:

@@ -1,0 +1,111 @@
+"""SGLang's zero-copy page calls through a real gateway, against memcpy of the same bytes.
+
+Run with the SGLang venv (scripts/setup-sglang.sh): ``.venv-sglang/bin/python bench/sglang.py``.
+kvharbor's backend (`KVHarborStorage`) on SGLang's real CPU host KV pool, a ``kvharbor
+gateway`` subprocess with a RAM tier; in one run, best of ``--repeats``:
+
+- **set**: ``batch_set_v1`` of ``--pages`` new pages (SGLang's largest batch: 128);
+- **get**: ``batch_get_v1`` of those pages into other host slots;
+- **memcpy**: one copy of the same number of bytes between two host buffers.
+
+Ratios are memcpy's time over the call's (1.0x: as fast as one memcpy; target >= 0.5x).
+Nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH.parent))
+
+from common import emit  # noqa: E402
+from ipc import gateway  # noqa: E402
+
+# This file's folder is first on sys.path, and this file is named sglang: SGLang must be found
+# in site-packages instead.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != BENCH]
+
+from tests.sglang.shims.install import install  # noqa: E402
+
+install()  # SGLang imports torchvision, whose PyPI build does not import on a CPU torch.
+
+import torch  # noqa: E402
+
+from tests.sglang.sglang_rig import backend, host_pool  # noqa: E402
+
+
+def best_s(work: object, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        work()  # type: ignore[operator]
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pages", type=int, default=128)
+    parser.add_argument("--page-size", type=int, default=64, help="tokens per page")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="kvh-bench-sglang-") as tmp, gateway(Path(tmp), 512, 4, 64) as _:
+        (config,) = Path(tmp).glob("bench-*.yaml")  # The gateway's own config: the same storage.
+        pool = host_pool(args.page_size, device_tokens=args.pages * args.page_size)
+        storage = backend({"backend_name": "kvharbor", "interface_v1": 1, "config_file": str(config)}, pool)
+        assert storage.is_on, storage.off_reason
+        tokens = args.pages * args.page_size
+        source = torch.arange(tokens, dtype=torch.int64)
+        target = torch.arange(tokens, 2 * tokens, dtype=torch.int64)
+        pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape).to(pool.kv_buffer.dtype))
+        page_bytes = storage._layout.page_bytes if storage._layout else 0
+        nbytes = page_bytes * args.pages
+
+        def fresh_keys() -> list[str]:
+            return [uuid.uuid4().hex * 2 for _ in range(args.pages)]  # 64 hex, like SGLang's.
+
+        stored = fresh_keys()
+
+        def put() -> None:
+            assert all(storage.batch_set_v1(fresh_keys(), source))
+
+        def get() -> None:
+            assert all(storage.batch_get_v1(stored, target))
+
+        assert all(storage.batch_set_v1(stored, source))
+        src = bytearray(nbytes)
+        dst = bytearray(nbytes)
+
+        def memcpy() -> None:
+            memoryview(dst)[:] = src
+
+        times = {"memcpy": best_s(memcpy, args.repeats), "set": best_s(put, args.repeats)}
+        times["get"] = best_s(get, args.repeats)
+        gib = nbytes / (1 << 30)
+        figures = {
+            "pages": args.pages,
+            "page_bytes": page_bytes,
+            "batch_mib": nbytes / (1 << 20),
+            "memcpy_gib_per_s": gib / times["memcpy"],
+            "batch_set_v1_gib_per_s": gib / times["set"],
+            "batch_get_v1_gib_per_s": gib / times["get"],
+            "batch_set_v1_ms": times["set"] * 1000,
+            "batch_get_v1_ms": times["get"] * 1000,
+        }
+        ratios = {
+            "batch_set_v1_vs_memcpy": times["memcpy"] / times["set"],
+            "batch_get_v1_vs_memcpy": times["memcpy"] / times["get"],
+        }
+        storage.close()
+    emit(figures, ratios, args.json)
+
+
+if __name__ == "__main__":
+    main()
