@@ -1,14 +1,19 @@
 # The two commands of the README's quick start, and the checks CI runs.
-.PHONY: setup demo test lint wheel bench
+.PHONY: setup setup-vllm setup-sglang demo test lint wheel bench
 
 # SGLang pins another torch than vLLM: its tests run in a venv of their own.
 SGLANG_VENV ?= .venv-sglang
 
-setup:
+setup: setup-vllm setup-sglang
+
+setup-vllm:
 	bash scripts/setup.sh
+
+setup-sglang:
 	KVHARBOR_SGLANG_VENV="$(SGLANG_VENV)" bash scripts/setup-sglang.sh
 
-demo: setup
+# The demo runs vLLM only: it does not wait for the SGLang environment.
+demo: setup-vllm
 	.venv/bin/python -m kvharbor demo
 
 # Lint and types first: they take seconds and fail fast. Then the wheel (dist/, what
