@@ -48,6 +48,8 @@ def write_parts(fd: int, parts: Sequence[memoryview], direct: bool) -> WriteResu
     """Write ``parts`` (byte views) at the start of the new, empty file ``fd``; with
     ``direct``, with O_DIRECT where they lie as the module docstring says. OSError as the
     writes raise it."""
+    if not parts:
+        return WriteResult(0, False, False)  # An empty value: the empty file is all of it.
     *head, body = parts
     head_bytes = sum(part.nbytes for part in head)
     whole = body.nbytes // BLOCK_BYTES * BLOCK_BYTES
