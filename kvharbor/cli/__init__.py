@@ -49,6 +49,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "kvharbor.cli.status",
     "kvharbor.cli.doctor",
     "kvharbor.cli.purge",
+    "kvharbor.cli.scenario",
 )
 """Modules that each register one command group through ``add_parser(subparsers)``."""
 

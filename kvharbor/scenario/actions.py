@@ -80,7 +80,11 @@ class Fill(Model):
 
 
 class Switch(Model):
-    on: bool
+    enabled: bool
+
+
+class Supercap(Model):
+    ok: bool
 
 
 class Damage(Model):
@@ -144,13 +148,13 @@ def _fill_card(world: World, p: Fill) -> str:
 
 
 def _key_eviction(world: World, p: Switch) -> str:
-    world.card(key_eviction=p.on)
-    return f"card key eviction {'on' if p.on else 'off'}"
+    world.card(key_eviction=p.enabled)
+    return f"card key eviction {'on' if p.enabled else 'off'}"
 
 
-def _supercap(world: World, p: Switch) -> str:
-    world.card(supercap_ok=p.on)
-    return f"card supercapacitor {'ok' if p.on else 'failed'}"
+def _supercap(world: World, p: Supercap) -> str:
+    world.card(supercap_ok=p.ok)
+    return f"card supercapacitor {'ok' if p.ok else 'failed'}"
 
 
 def _power_cycle(world: World, _: NoParams) -> str:
@@ -202,7 +206,7 @@ ACTIONS: dict[str, ActionSpec] = {
     "send":           ActionSpec(Send, _send, (R.ENGINE,), "send prompts, one request each, in order"),
     "fill_card":      ActionSpec(Fill, _fill_card, (R.CARD,), "another writer fills the card to a ratio"),
     "key_eviction":   ActionSpec(Switch, _key_eviction, (R.CARD,), "switch the card's key eviction"),
-    "supercap":       ActionSpec(Switch, _supercap, (R.CARD,), "the card's supercapacitor fails (on: false) or is replaced"),
+    "supercap":       ActionSpec(Supercap, _supercap, (R.CARD,), "the card's supercapacitor fails (ok: false) or is replaced"),
     "power_cycle":    ActionSpec(NoParams, _power_cycle, (R.CARD,), "the card loses power and comes back"),
     "target_down":    ActionSpec(NoParams, _target_down, (R.CARD, R.TARGET_UP), "the remote target stops answering"),
     "target_up":      ActionSpec(NoParams, _target_up, (R.CARD, R.TARGET_DOWN), "the remote target answers again"),

@@ -177,7 +177,8 @@ def validate(model: type[Model], data: Any, source: str, path: tuple[int | str, 
     try:
         return model.model_validate(data)
     except ValidationError as err:
-        first = err.errors()[0]
+        # An unknown key first: a typo ("contain") also leaves its right name "missing".
+        first = min(err.errors(), key=lambda e: e["type"] != "extra_forbidden")
         loc = (*path, *first["loc"])
         at = line_of(data, first["loc"]) if hasattr(data, "line") else line
         raise ScenarioError(f"{source}:{at}: {dotted(loc)}: {_message(first)}") from None
