@@ -49,7 +49,15 @@ def run_list(args: argparse.Namespace) -> int:
 
     scenarios = [load_scenario(path) for path in shipped()]
     if args.json:
-        print(json.dumps([{"name": s.name, "symptom": s.symptom, "replays": s.replays, "driver": s.setup.driver} for s in scenarios], indent=2))
+        print(
+            json.dumps(
+                [
+                    {"name": s.name, "symptom": s.symptom, "replays": s.replays, "driver": s.setup.driver}
+                    for s in scenarios
+                ],
+                indent=2,
+            )
+        )
     else:
         for s in scenarios:
             print(f"{s.name} [{s.setup.driver}]: {s.symptom}")
@@ -73,7 +81,10 @@ def run_run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"passed": not failed, "results": [json.loads(r.to_json()) for r in results]}, indent=2))
     elif len(results) > 1:
-        print(f"{len(results) - len(failed)} of {len(results)} scenarios passed" + (f"; failed: {', '.join(failed)}" if failed else ""))
+        print(
+            f"{len(results) - len(failed)} of {len(results)} scenarios passed"
+            + (f"; failed: {', '.join(failed)}" if failed else "")
+        )
     return EXIT_FAILED if failed else 0
 
 

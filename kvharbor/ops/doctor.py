@@ -229,7 +229,7 @@ def _check_tiers(status: GatewayStatus) -> Finding:
     for name, card in status.cards.items():
         if card.capacity_usage is CapacityUsage.CRITICAL and not card.key_eviction:
             refusing.setdefault(
-                name, f"the card is full (CapacityUsage CRITICAL) and key eviction is off: new chunks are not stored"
+                name, "the card is full (CapacityUsage CRITICAL) and key eviction is off: new chunks are not stored"
             )
     if refusing:
         text = "; ".join(f"{name}: {why}" for name, why in refusing.items())

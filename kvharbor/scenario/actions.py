@@ -7,15 +7,19 @@ anything runs, `kvharbor.scenario.timeline`), ``effect`` what holds after it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
 from kvharbor.scenario.damage import damage_file_objects
 from kvharbor.scenario.schema import EngineSetup, Model
 from kvharbor.scenario.world import SendResult, World
+
+LOG_POLL_S = 0.02
+"""How often `wait_log` reads the log again: a log line has no event to wait on across processes."""
 
 
 class Requirement:
@@ -94,6 +98,12 @@ class Damage(Model):
 
 class FillShm(Model):
     mb: int = Field(gt=0)
+
+
+class WaitLog(Model):
+    source: Literal["gateway", "engine"]
+    contains: str = Field(min_length=1)
+    timeout_s: float = Field(30.0, gt=0, le=600)
 
 
 # -- executors ------------------------------------------------------------------------
@@ -182,6 +192,16 @@ def _fill_shm(world: World, p: FillShm) -> str:
     return f"{p.mb} MiB of the shared-memory filesystem taken"
 
 
+def _wait_log(world: World, p: WaitLog) -> str:
+    """Wait for the line itself (a tier found back by the gateway's background probe), bounded."""
+    deadline = time.monotonic() + p.timeout_s
+    while p.contains not in world.log(p.source):
+        if time.monotonic() > deadline:
+            raise ActionFailed(f"no {p.source} log line with {p.contains!r} within {p.timeout_s} s")
+        time.sleep(LOG_POLL_S)
+    return f"{p.source} log said {p.contains!r}"
+
+
 class ActionFailed(RuntimeError):
     """An action did not do what the scenario said it would (its step fails)."""
 
@@ -197,20 +217,21 @@ class ActionSpec:
 R = Requirement
 # fmt: off
 ACTIONS: dict[str, ActionSpec] = {
-    "start_gateway":  ActionSpec(StartGateway, _start_gateway, (R.NO_GATEWAY,), "start the gateway (start_clean: empty every tier)"),
+    "start_gateway":  ActionSpec(StartGateway, _start_gateway, (R.NO_GATEWAY,), "start the gateway"),
     "stop_gateway":   ActionSpec(NoParams, _stop_gateway, (R.GATEWAY,), "stop the gateway with SIGTERM"),
     "kill_gateway":   ActionSpec(NoParams, _kill_gateway, (R.GATEWAY,), "kill the gateway with SIGKILL"),
-    "start_engine":   ActionSpec(EngineChange, _start_engine, (R.NO_ENGINE,), "start the engine (fields change its setup)"),
-    "restart_engine": ActionSpec(EngineChange, _restart_engine, (R.ENGINE,), "restart the engine (a new process; fields change its setup)"),
+    "start_engine":   ActionSpec(EngineChange, _start_engine, (R.NO_ENGINE,), "start the engine"),
+    "restart_engine": ActionSpec(EngineChange, _restart_engine, (R.ENGINE,), "restart the engine (a new process)"),
     "stop_engine":    ActionSpec(NoParams, _stop_engine, (R.ENGINE,), "stop the engine"),
     "send":           ActionSpec(Send, _send, (R.ENGINE,), "send prompts, one request each, in order"),
-    "fill_card":      ActionSpec(Fill, _fill_card, (R.CARD,), "another writer fills the card to a ratio"),
+    "fill_card":      ActionSpec(Fill, _fill_card, (R.CARD,), "another writer fills the card"),
     "key_eviction":   ActionSpec(Switch, _key_eviction, (R.CARD,), "switch the card's key eviction"),
-    "supercap":       ActionSpec(Supercap, _supercap, (R.CARD,), "the card's supercapacitor fails (ok: false) or is replaced"),
+    "supercap":       ActionSpec(Supercap, _supercap, (R.CARD,), "the supercapacitor fails or is fixed"),
     "power_cycle":    ActionSpec(NoParams, _power_cycle, (R.CARD,), "the card loses power and comes back"),
     "target_down":    ActionSpec(NoParams, _target_down, (R.CARD, R.TARGET_UP), "the remote target stops answering"),
     "target_up":      ActionSpec(NoParams, _target_up, (R.CARD, R.TARGET_DOWN), "the remote target answers again"),
-    "damage_files":   ActionSpec(Damage, _damage_files, (R.FILES,), "flip a byte in stored objects of the file tier"),
-    "fill_shm":       ActionSpec(FillShm, _fill_shm, (R.SHM,), "take room on the gateway's private shared-memory filesystem"),
+    "damage_files":   ActionSpec(Damage, _damage_files, (R.FILES,), "flip a byte in stored file objects"),
+    "fill_shm":       ActionSpec(FillShm, _fill_shm, (R.SHM,), "take room on the private shm tmpfs"),
+    "wait_log":       ActionSpec(WaitLog, _wait_log, (), "wait for a log line (bounded by timeout_s)"),
 }
 # fmt: on

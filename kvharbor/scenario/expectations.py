@@ -48,7 +48,12 @@ class Range(Model):
         if self.eq is not None:
             return f"== {self.eq:g}"
         return " and ".join(
-            t for t in (f">= {self.min:g}" if self.min is not None else "", f"<= {self.max:g}" if self.max is not None else "") if t
+            t
+            for t in (
+                f">= {self.min:g}" if self.min is not None else "",
+                f"<= {self.max:g}" if self.max is not None else "",
+            )
+            if t
         )
 
 
@@ -88,7 +93,7 @@ class DoctorFinding(Model):
 
 class Metric(Model):
     name: str = Field(min_length=1)
-    labels: dict[str, str] = {}
+    labels: dict[str, str] = Field(default_factory=dict)
     value: Range
     """Of the sum of every sample of that name whose labels include ``labels``."""
 
@@ -125,7 +130,9 @@ def judge(world: World, expect: Expect) -> list[Check]:
     last = world.sends[-1] if world.sends else None
     if expect.cached_tokens is not None:
         value = last.cached_tokens if last else 0
-        checks.append(Check(f"cached_tokens {expect.cached_tokens.text()}", expect.cached_tokens.holds(value), str(value)))
+        checks.append(
+            Check(f"cached_tokens {expect.cached_tokens.text()}", expect.cached_tokens.holds(value), str(value))
+        )
     if expect.hit_rate is not None:
         rate = last.cached_tokens / last.prompt_tokens if last and last.prompt_tokens else 0.0
         checks.append(Check(f"hit_rate {expect.hit_rate.text()}", expect.hit_rate.holds(rate), f"{rate:.3f}"))
@@ -135,11 +142,19 @@ def judge(world: World, expect: Expect) -> list[Check]:
         checks.append(Check(f"cache_off is {expect.cache_off}", off == expect.cache_off, reason or "on"))
     if expect.gateway_running is not None:
         running = world.gateway.running
-        checks.append(Check(f"gateway_running is {expect.gateway_running}", running == expect.gateway_running, str(running)))
+        checks.append(
+            Check(f"gateway_running is {expect.gateway_running}", running == expect.gateway_running, str(running))
+        )
     for line in expect.log or []:
-        text = world.gateway.log() if line.source == "gateway" else _read(world.engine_log)
+        text = world.log(line.source)
         count = sum(line.contains in row for row in text.splitlines())
-        checks.append(Check(f"{line.source} log has {line.contains!r} ({line.count.text()} lines)", line.count.holds(count), f"{count} line(s)"))
+        checks.append(
+            Check(
+                f"{line.source} log has {line.contains!r} ({line.count.text()} lines)",
+                line.count.holds(count),
+                f"{count} line(s)",
+            )
+        )
     if expect.status:
         document = status_document(world)
         for item in expect.status:
@@ -149,8 +164,17 @@ def judge(world: World, expect: Expect) -> list[Check]:
     if expect.metric:
         samples = metric_samples(world)
         for metric in expect.metric:
+            if samples is None:
+                checks.append(Check(f"metric {metric.name}", False, "no gateway serves /metrics"))
+                continue
             total = sum(v for n, labels, v in samples if n == metric.name and metric.labels.items() <= labels.items())
-            checks.append(Check(f"metric {metric.name}{metric.labels or ''} {metric.value.text()}", metric.value.holds(total), f"{total:g}"))
+            checks.append(
+                Check(
+                    f"metric {metric.name}{metric.labels or ''} {metric.value.text()}",
+                    metric.value.holds(total),
+                    f"{total:g}",
+                )
+            )
     return checks
 
 
@@ -176,13 +200,18 @@ def status_document(world: World) -> Any:
     return None if status is None else _STATUS.dump_python(status, mode="json")
 
 
-def metric_samples(world: World) -> list[tuple[str, dict[str, str], float]]:
+def metric_samples(world: World) -> list[tuple[str, dict[str, str], float]] | None:
+    """Every sample of the gateway's ``/metrics``; None when it does not serve them."""
     status = gateway_status(world)
     if status is None or not status.metrics_url:
-        return []
-    with urllib.request.urlopen(status.metrics_url, timeout=METRICS_TIMEOUT_S) as answer:  # noqa: S310 - our own gateway
+        return None
+    with urllib.request.urlopen(status.metrics_url, timeout=METRICS_TIMEOUT_S) as answer:
         text = answer.read().decode()
-    return [(s.name, dict(s.labels), float(s.value)) for family in text_string_to_metric_families(text) for s in family.samples]
+    return [
+        (s.name, dict(s.labels), float(s.value))
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    ]
 
 
 def resolve(document: Any, path: str) -> Any:
@@ -203,7 +232,11 @@ def resolve(document: Any, path: str) -> Any:
 
 def _judge_status(document: Any, item: StatusField) -> Check:
     what = f"status {item.field} " + (
-        f"== {item.equals!r}" if item.equals is not None else f"contains {item.contains!r}" if item.contains is not None else (item.range.text() if item.range else "")
+        f"== {item.equals!r}"
+        if item.equals is not None
+        else f"contains {item.contains!r}"
+        if item.contains is not None
+        else (item.range.text() if item.range else "")
     )
     if document is None:
         return Check(what, False, "no gateway answers")
@@ -230,15 +263,8 @@ def _judge_doctor(world: World, item: DoctorFinding) -> Check:
         engine_log=world.engine_log if item.engine_log else None,
     )
     for finding in report.findings:
-        if finding.check == item.check and finding.verdict.value == item.verdict:
-            if item.contains is None or item.contains in finding.text:
-                return Check(what, True, finding.text)
+        same = finding.check == item.check and finding.verdict.value == item.verdict
+        if same and (item.contains is None or item.contains in finding.text):
+            return Check(what, True, finding.text)
     seen = "; ".join(f"{f.check} {f.verdict.value}: {f.text}" for f in report.findings if f.check == item.check)
     return Check(what, False, seen or "no such finding")
-
-
-def _read(path: Any) -> str:
-    try:
-        return str(path.read_text(errors="replace"))
-    except OSError:
-        return ""

@@ -68,7 +68,18 @@ def draw_timeline(seed: int, actions: int) -> list[tuple[str, Model]]:
 def _draw_one(gen: _Gen) -> None:
     rng = gen.rng
     choice = rng.choices(
-        ["send", "restart_engine", "kill", "clean_restart", "fill", "eviction", "supercap", "power", "target", "damage"],
+        [
+            "send",
+            "restart_engine",
+            "kill",
+            "clean_restart",
+            "fill",
+            "eviction",
+            "supercap",
+            "power",
+            "target",
+            "damage",
+        ],
         weights=[10, 2, 1, 2, 1, 1, 1, 1, 2, 1],
     )[0]
     if choice == "send":
@@ -92,7 +103,9 @@ def _draw_one(gen: _Gen) -> None:
         if gen.acknowledged is not None:
             prompt = gen.acknowledged
             gen.add("send", a.Send(prompts=[prompt]))
-            bound = min((prompt.tokens // CHUNK_TOKENS) * CHUNK_TOKENS, ((prompt.tokens - 1) // BLOCK_TOKENS) * BLOCK_TOKENS)
+            bound = min(
+                (prompt.tokens // CHUNK_TOKENS) * CHUNK_TOKENS, ((prompt.tokens - 1) // BLOCK_TOKENS) * BLOCK_TOKENS
+            )
             gen.add("expect", Expect(cached_tokens=Range(eq=bound)))
     elif choice == "fill":
         gen.add("fill_card", a.Fill(ratio=rng.choice([0.5, 0.9, 1.0])))
@@ -197,7 +210,12 @@ class CampaignReport:
 
 
 def _failure(failure: Failure) -> dict[str, object]:
-    return {"seed": failure.seed, "reproduced": failure.reproduced, "shrunk_steps": failure.shrunk_steps, "failed": failure.failed}
+    return {
+        "seed": failure.seed,
+        "reproduced": failure.reproduced,
+        "shrunk_steps": failure.shrunk_steps,
+        "failed": failure.failed,
+    }
 
 
 def campaign(runs: int, seed: int, actions: int, save: Path | None = None, echo: bool = True) -> CampaignReport:
@@ -224,5 +242,7 @@ def campaign(runs: int, seed: int, actions: int, save: Path | None = None, echo:
             save.write_text(to_yaml(small))
     report = CampaignReport(runs, seed, time.monotonic() - started, dict(sorted(counts.items())), failures)
     if echo:
-        print(f"{runs} runs, {len(failures)} failing, {report.runs_per_minute:.1f} runs/minute; actions: {report.actions}")
+        print(
+            f"{runs} runs, {len(failures)} failing, {report.runs_per_minute:.1f} runs/minute; actions: {report.actions}"
+        )
     return report

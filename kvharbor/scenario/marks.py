@@ -38,9 +38,7 @@ def _mapping(loader: _Loader, node: yaml.MappingNode) -> MarkedDict:
     for key_node, value_node in node.value:
         key = loader.construct_object(key_node, deep=True)
         if key in result:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r}", key_node.start_mark
-            )
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
         result[key] = loader.construct_object(value_node, deep=True)
         result.lines[key] = key_node.start_mark.line + 1
     return result
@@ -59,7 +57,7 @@ _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_SEQUENCE_TAG, _sequen
 
 def load_marked(text: str) -> Any:
     """Parse one YAML document keeping marks; raises `yaml.YAMLError` (its mark has the line)."""
-    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+    return yaml.load(text, Loader=_Loader)
 
 
 def line_of(document: Any, path: Sequence[int | str]) -> int:
@@ -70,7 +68,8 @@ def line_of(document: Any, path: Sequence[int | str]) -> int:
         if isinstance(node, MarkedDict) and part in node:
             line, node = node.lines[part], node[part]
         elif isinstance(node, MarkedList) and isinstance(part, int) and 0 <= part < len(node):
-            line, node = node.lines[part], node[part]
+            index: int = part
+            line, node = node.lines[index], node[index]
         else:
             break
     return line

@@ -54,11 +54,18 @@ def invariants(send: SendResult) -> list[Check]:
     requests = send.requests
     return [
         Check("every request completed", all(r.completed for r in requests), f"{len(requests)} request(s)"),
-        Check("no wrong byte served", all(r.wrong_bytes == 0 for r in requests), f"{sum(r.wrong_bytes for r in requests)} wrong byte(s)"),
+        Check(
+            "no wrong byte served",
+            all(r.wrong_bytes == 0 for r in requests),
+            f"{sum(r.wrong_bytes for r in requests)} wrong byte(s)",
+        ),
         Check(
             "hit bound holds",
             all(r.cached_tokens <= r.bound_tokens for r in requests),
-            ", ".join(f"{r.name}: {r.cached_tokens}/{r.bound_tokens}" for r in requests if r.cached_tokens > r.bound_tokens) or "ok",
+            ", ".join(
+                f"{r.name}: {r.cached_tokens}/{r.bound_tokens}" for r in requests if r.cached_tokens > r.bound_tokens
+            )
+            or "ok",
         ),
     ]
 

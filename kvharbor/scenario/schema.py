@@ -150,7 +150,9 @@ def parse_scenario(text: str, source: str = "<text>") -> Scenario:
         where = ("steps", index)
         line = line_of(document, where)
         if not isinstance(raw, dict) or len(raw) != 1:
-            raise ScenarioError(f"{source}:{line}: steps[{index}]: a step is a mapping with one key: an action or expect")
+            raise ScenarioError(
+                f"{source}:{line}: steps[{index}]: a step is a mapping with one key: an action or expect"
+            )
         ((kind, params),) = raw.items()
         params = {} if params is None else params
         if kind == "expect":

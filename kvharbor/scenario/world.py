@@ -110,6 +110,15 @@ class World:
             raise RuntimeError("scenario: send before the engine started")
         return self.engine.request(name, self.prompt(name, tokens), salt)
 
+    def log(self, source: str) -> str:
+        """The gateway's log, or the engine's (its kvharbor lines)."""
+        if source == "gateway":
+            return self.gateway.log()
+        try:
+            return self.engine_log.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
     # -- the card --------------------------------------------------------------------
 
     def card(self, **changes: Any) -> None:
@@ -171,7 +180,15 @@ class World:
         setup = self.setup
         tiers: list[dict[str, Any]] = [{"name": "ram", "type": "ram", "capacity_gb": setup.ram_mb / 1024}]
         if setup.file_mb is not None:
-            tiers.append({"name": "files", "type": "file", "path": str(self.file_dir), "capacity_gb": setup.file_mb / 1024, "fsync": False})
+            tiers.append(
+                {
+                    "name": "files",
+                    "type": "file",
+                    "path": str(self.file_dir),
+                    "capacity_gb": setup.file_mb / 1024,
+                    "fsync": False,
+                }
+            )
         document: dict[str, Any] = {
             "gateway": {
                 "mode": "service",
@@ -186,9 +203,16 @@ class World:
             "storage": {
                 "tiers": tiers,
                 "refill_ram": False,
-                "backpressure": {"circuit_breaker": {"cooldown_s": 0.2, "probe_interval_max_s": 1.0}},
+                # A tier that failed is probed back within a fraction of a second, traffic or not.
+                "backpressure": {
+                    "circuit_breaker": {
+                        "cooldown_s": 0.2,
+                        "probe_interval_max_s": 1.0,
+                        "background_probe_interval_s": 0.05,
+                    }
+                },
             },
-            "dashboard": {"enabled": False},
+            "dashboard": {"port": 0},  # It serves /metrics too, and fills the status's metrics_url.
             "telemetry": {"prometheus": {"port": 0}},
         }
         if setup.card is not None:

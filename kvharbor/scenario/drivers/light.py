@@ -118,7 +118,9 @@ class LightEngine:
         for rank, link in enumerate(self.loads):
             if link.start():
                 _log.info(
-                    "kvharbor: %d cache tensors registered (rank %d, page %d B, %.2f MiB per %d-token chunk; layout %s)",
+                    # The worker's line, word for word: `kvharbor doctor --engine-log` looks for it.
+                    "kvharbor: %d cache tensors registered (rank %d, page %d B, %.2f MiB per %d-token chunk; "
+                    "layout %s)",
                     setup.layers, rank, self.layout.groups[0].page_bytes, self.layout.chunk_bytes / 2**20,
                     setup.chunk_size, self.layout.fingerprints[rank].short(),
                 )  # fmt: skip
