@@ -73,3 +73,11 @@ def test_every_shipped_scenario_is_valid_and_names_its_seed_symptom() -> None:
     for path in files:
         scenario = load_scenario(path)
         assert scenario.name == path.stem and scenario.replays
+
+
+def test_a_failing_expectation_exits_1_and_says_fail(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "fails.yaml"
+    path.write_text(HEAD + "steps:\n  - expect: {gateway_running: true}\n")
+    assert main(["scenario", "run", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "scenario bad" in out and "FAIL" in out and "[FAIL] gateway_running is True: False" in out
