@@ -73,6 +73,13 @@ class EngineSection(_Section):
     """A step that waited longer for save staging is not a sample of the prefill rate."""
     save_queue_steps_max: int = Field(64, gt=0, description="steps whose saves may wait for the storage at once")
     """Past it a step's saves are dropped (future misses), never the step."""
+    saves_land_before_answer: bool = True
+    """The step that computes a prompt's last chunk returns only once that step's chunks are
+    in shared memory and marked complete, so a request that was answered was saved, even
+    if the engine is killed right after (vLLM's default shutdown). On a CPU every step
+    does so anyway (the pages are copied within the step); on a GPU it waits for that
+    one step's device-to-host copy (and for the saves queued before it). False: GPU steps
+    never wait, and a kill within that copy loses the step's chunks."""
 
     @property
     def load_batch_bytes(self) -> int:

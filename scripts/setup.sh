@@ -115,20 +115,29 @@ else
 fi
 step_done "kvharbor editable install"
 
-# --- 5. a browser for the dashboard's test (tests/gateway/test_dashboard_browser.py) ---
-# Debian's chromium and chromium-driver, driven by Selenium (the test extra): Playwright's
-# browser download is not reachable from the project machines.
-if command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; then
-    log "chromium and chromedriver present; skipping"
+# --- 5. Debian tools the tests drive ------------------------------------------------
+# chromium and chromium-driver for the dashboard's browser test, driven by Selenium (the
+# test extra; Playwright's browser download is not reachable from the project machines);
+# promtool (Debian's prometheus) for the alert rules' tests; systemd-analyze for the
+# systemd unit's.
+browser="" tools=""
+command -v chromium >/dev/null 2>&1 || browser="${browser} chromium"
+command -v chromedriver >/dev/null 2>&1 || browser="${browser} chromium-driver"
+command -v promtool >/dev/null 2>&1 || tools="${tools} prometheus"
+command -v systemd-analyze >/dev/null 2>&1 || tools="${tools} systemd"
+if [[ -z "${browser}${tools}" ]]; then
+    log "chromium, chromedriver, promtool and systemd-analyze present; skipping"
 elif [[ "$(id -u)" == 0 ]]; then
-    log "installing chromium and chromium-driver (apt-get)"
+    log "installing${browser}${tools} (apt-get)"
     apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver
+    # The browser with what Debian recommends (its fonts); the tools without (no services).
+    [[ -z "${browser}" ]] || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq ${browser}
+    [[ -z "${tools}" ]] || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends ${tools}
 else
-    log "WARNING: chromium/chromium-driver missing and not root: the dashboard's browser test will fail;" \
-        "run: sudo apt-get install -y chromium chromium-driver"
+    log "WARNING: missing and not root, so the tests that use them will fail:${browser}${tools};" \
+        "run: sudo apt-get install -y${browser}${tools}"
 fi
-step_done "chromium for the dashboard test"
+step_done "Debian tools for the tests"
 
 # --- 6. sanity check ----------------------------------------------------------------
 VLLM_LOGGING_LEVEL=ERROR "${PY}" - <<'EOF'

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvharbor.cache.store import StoreStatus
+from kvharbor.periodic import Periodic
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,17 +63,14 @@ class History:
         self._source = source
         self._samples: deque[Sample] = deque(maxlen=samples_max)
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="kvharbor-dashboard-history")
+        self._periodic = Periodic("kvharbor-dashboard-history", interval_s, self.take)
 
     def start(self) -> None:
         self.take()  # The page has a first point at once.
-        self._thread.start()
+        self._periodic.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
+        self._periodic.stop()
 
     def take(self) -> None:
         sample = sample_of(self._source(), time.time())
@@ -109,10 +107,6 @@ class History:
                 for name, tier in tiers.items()
             },
         }
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.take()
 
 
 def _delta(before: Sample, after: Sample, tier: str) -> int | None:

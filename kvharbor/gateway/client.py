@@ -55,6 +55,7 @@ from kvharbor.config import GatewaySection
 from kvharbor.gateway import protocol as p
 from kvharbor.gateway.access import denied_hint, peer_of
 from kvharbor.gateway.shm import Segment, ShmDenied, ShmUnavailable
+from kvharbor.gateway.silence import describe_silence
 from kvharbor.gateway.status import GatewayStatus
 from kvharbor.gateway.wire import FrameReader, PeerClosed, send_message
 from kvharbor.hal.base import Buffer
@@ -400,7 +401,8 @@ class GatewayClient:
             except (TimeoutError, BlockingIOError):  # BlockingIOError: SO_RCVTIMEO expired.
                 raise self._fail(
                     f"gateway did not answer {type(request).__name__} within "
-                    f"{self._section.request_timeout_ms} ms (gateway.request_timeout_ms)"
+                    f"{self._section.request_timeout_ms} ms (gateway.request_timeout_ms); "
+                    f"{describe_silence(self._sock)}"
                 ) from None
             except (OSError, PeerClosed) as err:
                 raise self._fail(f"gateway connection lost: {err}") from None

@@ -27,9 +27,11 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
+from typing import Self
 
 from kvharbor.cache.breaker import BreakerState
 from kvharbor.cache.tier import Tier
+from kvharbor.periodic import Periodic
 from kvharbor.telemetry.log import get_logger
 
 _log = get_logger("kvharbor.gateway.prober")
@@ -44,25 +46,23 @@ class TierProber:
         self.tiers = tuple(tiers)
         self.interval_s = interval_s
         self.health_interval_s = health_interval_s
-        self._stopping = threading.Event()
         self.resumed = threading.Event()
         """Set once a probe closed a tier's breaker (the tier serves again): what a caller that
         waits for a tier's return (a test) waits on, instead of polling the breaker."""
-        self._thread = threading.Thread(target=self._run, daemon=True, name="kvharbor-prober")
+        self._health_due_s = time.monotonic()
+        self._periodic = Periodic("kvharbor-prober", interval_s, self._round)
 
-    def start(self) -> TierProber:
-        self._thread.start()
+    def start(self) -> Self:
+        self._periodic.start()
         return self
 
     def stop(self) -> None:
         """Stop after the round in progress; safe to call twice, or before `start`."""
-        self._stopping.set()
-        if self._thread.is_alive():
-            self._thread.join()
+        self._periodic.stop()
 
     def probe_once(self) -> None:
         for tier in self.tiers:
-            if self._stopping.is_set():
+            if self._periodic.stopping:
                 return
             try:
                 before = tier.breaker.state
@@ -73,17 +73,15 @@ class TierProber:
 
     def watch_health_once(self) -> None:
         for tier in self.tiers:
-            if self._stopping.is_set():
+            if self._periodic.stopping:
                 return
             try:
                 tier.watch_health()
             except Exception:  # As above: one driver's bug must not end the watch of the others.
                 _log.exception("kvharbor: tier %s: reading its health failed unexpectedly", tier.name)
 
-    def _run(self) -> None:
-        health_due_s = time.monotonic()
-        while not self._stopping.wait(self.interval_s):
-            self.probe_once()
-            if time.monotonic() >= health_due_s:
-                self.watch_health_once()
-                health_due_s = time.monotonic() + self.health_interval_s
+    def _round(self) -> None:
+        self.probe_once()
+        if time.monotonic() >= self._health_due_s:
+            self.watch_health_once()
+            self._health_due_s = time.monotonic() + self.health_interval_s

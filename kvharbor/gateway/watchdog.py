@@ -15,8 +15,10 @@ import sys
 import threading
 import time
 import traceback
+from typing import Self
 
 from kvharbor.gateway import protocol as p
+from kvharbor.periodic import Periodic
 from kvharbor.telemetry.log import get_logger
 
 _log = get_logger("kvharbor.gateway")
@@ -30,17 +32,14 @@ class RequestWatchdog:
         self._serving: dict[int, tuple[float, int, str]] = {}
         """Serving thread's ident -> (when its request began, its message type, its client)."""
         self._said: set[tuple[int, float]] = set()
-        self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvharbor-watchdog", daemon=True)
+        self._periodic = Periodic("kvharbor-watchdog", threshold_s / 4, self._look)
 
-    def start(self) -> RequestWatchdog:
-        self._thread.start()
+    def start(self) -> Self:
+        self._periodic.start()
         return self
 
     def stop(self) -> None:
-        self._stopping.set()
-        if self._thread.is_alive():
-            self._thread.join()
+        self._periodic.stop()
 
     def begin(self, kind: int, peer: str) -> None:
         """The calling thread starts serving a request of message type ``kind`` from ``peer``."""
@@ -49,18 +48,17 @@ class RequestWatchdog:
     def end(self) -> None:
         self._serving.pop(threading.get_ident(), None)
 
-    def _run(self) -> None:
-        while not self._stopping.wait(self.threshold_s / 4):
-            now = time.monotonic()
-            for ident, (since, kind, peer) in list(self._serving.items()):
-                if now - since > self.threshold_s and (ident, since) not in self._said:
-                    self._said.add((ident, since))
-                    _log.warning(
-                        "kvharbor: a %s request from %s has been served for %.1f s, past half of "
-                        "gateway.request_timeout_ms (its client gives up at the whole); the gateway's threads:\n%s",
-                        _type_name(kind), peer, now - since, _stacks(),
-                    )  # fmt: skip
-            self._said = {said for said in self._said if self._serving.get(said[0], (None,))[0] == said[1]}
+    def _look(self) -> None:
+        now = time.monotonic()
+        for ident, (since, kind, peer) in list(self._serving.items()):
+            if now - since > self.threshold_s and (ident, since) not in self._said:
+                self._said.add((ident, since))
+                _log.warning(
+                    "kvharbor: a %s request from %s has been served for %.1f s, past half of "
+                    "gateway.request_timeout_ms (its client gives up at the whole); the gateway's threads:\n%s",
+                    _type_name(kind), peer, now - since, _stacks(),
+                )  # fmt: skip
+        self._said = {said for said in self._said if self._serving.get(said[0], (None,))[0] == said[1]}
 
 
 def _type_name(kind: int) -> str:

@@ -5,6 +5,7 @@ and never anything else; the gateway frees what a dead client held and serves on
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -97,8 +98,12 @@ def test_hung_gateway_fails_a_call_within_request_timeout(started: Callable[...,
         _, status = os.waitpid(gateway.pid, os.WUNTRACED)
         assert os.WIFSTOPPED(status)
         try:
-            with pytest.raises(GatewayUnavailable, match=r"within 300 ms \(gateway.request_timeout_ms\)"):
+            with pytest.raises(GatewayUnavailable, match=r"within 300 ms \(gateway.request_timeout_ms\)") as hang:
                 client.lookup(keys_of(1))
+            # The message says what the kernel saw: the request still queued, every thread stopped.
+            said = str(hang.value)
+            assert re.search(r"send queue [1-9]\d* B; receive queue 0 B", said), said
+            assert re.search(rf"gateway pid {gateway.pid} threads Tx\d+ \[", said), said
             # Down for good: the late reply can never be mistaken for another request's.
             with pytest.raises(GatewayUnavailable, match="does not reconnect"):
                 client.status()

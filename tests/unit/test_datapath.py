@@ -345,7 +345,11 @@ def gateway_config(tmp_path: Path) -> Iterator[Any]:
 
 
 def data_path(
-    config: Any, copy: PageCopy, register: Any = None, links: tuple[CacheLink, CacheLink] | None = None
+    config: Any,
+    copy: PageCopy,
+    register: Any = None,
+    links: tuple[CacheLink, CacheLink] | None = None,
+    engine: EngineSection | None = None,
 ) -> tuple[DataPath, dict[str, float]]:
     switch = RankSwitch()
     counts: dict[str, float] = {}
@@ -355,8 +359,39 @@ def data_path(
             counts[k] = counts.get(k, 0) + v
 
     load, save = links or (CacheLink(config, "load", switch=switch), CacheLink(config, "save", switch=switch))
-    path = DataPath(copy, NAMES, load, save, 0, b"F" * 16, count, EngineSection(), register=register)
+    path = DataPath(copy, NAMES, load, save, 0, b"F" * 16, count, engine or EngineSection(), register=register)
     return path, counts
+
+
+@pytest.mark.parametrize("land", [True, False])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_step_that_ends_a_prompt_waits_for_its_saves_to_land(gateway_config: Any, backend: str, land: bool) -> None:
+    """A step whose answer may go out first (it computes a prompt's last chunk) returns only
+    once its chunks are in shared memory and marked (``engine.saves_land_before_answer``):
+    a device's staged saves too, which other steps leave to the saver thread."""
+    path, _ = data_path(
+        gateway_config, make_copy(backend, layers()), engine=EngineSection(saves_land_before_answer=land)
+    )
+    try:
+        assert path.map()
+        keys = [bytes([8, i]) * 8 for i in range(2)]
+        middle = ChunkTransfer("r", [keys[:1]], block_ids=[1, 2, 3, 4])
+        last = ChunkTransfer("r", [keys[1:]], block_ids=[5, 6, 7, 8], ends_prompt=True)
+        waits = []
+        for save in (middle, last):
+            meta = KVHarborMetadata(saves=[save])
+            path.begin_step(meta)
+            for name in NAMES:
+                path.save_layer(name)
+            parts = path.end_step(meta)
+            assert parts is not None
+            assert parts.reads_blocks == (backend == "host")
+            waits.append(parts.step_waits)
+            parts.done()
+    finally:
+        path.close()
+    # Host steps always wait (their fill reads the blocks); device ones only at a prompt's end.
+    assert waits == ([True, True] if backend == "host" else [False, land])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -373,7 +408,8 @@ def test_the_data_path_saves_and_restores_through_the_gateway(gateway_config: An
             saver.save_layer(name)
         parts = saver.end_step(meta)
         assert parts is not None and parts.keys == keys
-        assert parts.fill_before_step_end == (backend == "host")
+        # Host pages are read from the blocks; device ones from staging, and this step ends no prompt.
+        assert parts.reads_blocks == parts.step_waits == (backend == "host")
         items = [(k, saver.copy.chunk_bytes) for k in keys]
         stored = saver._save_link.store(saver.fingerprint, items, parts.fill, parts.settle)
         parts.done()

@@ -56,9 +56,12 @@ class SaveParts:
     in shared memory (before the commit)."""
     done: Callable[[], None]
     """Give the save's resources back (always called, also when the store failed)."""
-    fill_before_step_end: bool
-    """The pages are read from the step's blocks when filled: the step must wait for
-    the fill, the blocks may be reused after it."""
+    reads_blocks: bool
+    """The pages are read from the step's blocks when filled (no staging of our own): a
+    fill after the step returned may read blocks the engine reused, and is not stored."""
+    step_waits: bool
+    """The step returns only once the values are filled and marked complete: always when
+    the fill reads the blocks, else for a step that ends a prompt (``saves_land_before_answer``)."""
 
 
 class DataPath:
@@ -87,6 +90,7 @@ class DataPath:
         self._count = count
         self._save_staging_wait_s = engine.save_staging_wait_ms / 1000
         self._stall_s = engine.prefill_sample_stall_ms_max / 1000
+        self._land_before_answer = engine.saves_land_before_answer
         self._register = register
         self.mappings: list[PinnedMapping] = []
         """The load link's mapping, then the save link's; empty when not mapped (cache off)."""
@@ -223,7 +227,9 @@ class DataPath:
             fill=lambda i, view: save.stage(i, mapping, view),
             settle=lambda: save.flush(mapping)(),
             done=save.release,
-            fill_before_step_end=not self.copy.snapshots_saves,
+            reads_blocks=not self.copy.snapshots_saves,
+            step_waits=not self.copy.snapshots_saves
+            or (self._land_before_answer and any(s.ends_prompt for s in meta.saves)),
         )
 
     def _open_save(self, meta: KVHarborMetadata) -> None:

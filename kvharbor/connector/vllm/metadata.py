@@ -30,6 +30,9 @@ class ChunkTransfer:
     recompute_s: tuple[float, ...] = ()
     """Loads: the scheduler's estimate of each chunk's recompute time (empty: unknown);
     the worker stops a load whose rest would arrive slower than it recomputes."""
+    ends_prompt: bool = False
+    """Saves: this transfer holds the request's last storable chunk, so the step that
+    computes it may be the one whose answer goes out first (`EngineSection.saves_land_before_answer`)."""
 
     def __post_init__(self) -> None:
         assert self.keys and all(len(k) == len(self.keys[0]) for k in self.keys), "one key list per rank"

@@ -413,6 +413,7 @@ class SchedulerSide:
                 request_id=req_id,
                 keys=[keys[first:done] for keys in state.keys],
                 block_ids=state.block_ids[first * per_chunk : done * per_chunk],
+                ends_prompt=done == len(state.keys[0]),
             )
         )
         state.saved_chunks = done

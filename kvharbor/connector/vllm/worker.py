@@ -40,14 +40,16 @@ file tier (1.7 % of that slow prefill) where the marks cost nothing
 measurable; on a GPU, whose prefill is ~100x faster and whose KV is the same
 size, the commit would dominate the time to first token.
 
-- CPU (``fill_before_step_end``): the step waits for the copies into shared
+- CPU (`SaveParts.reads_blocks`): the step waits for the copies into shared
   memory, and the marks are written before it is released. When the step
   returns, every chunk it saved is marked: a response can only follow.
-- GPU: the step only gathers into device staging; the saver thread prepares
+- GPU: a step only gathers into device staging; the saver thread prepares
   the put, starts the device-to-host copy and marks the values once it has
-  waited for that copy. A kill between the step's end and that point (the
-  copy's milliseconds, plus the time a save waits behind earlier ones in the
-  saver's queue) still loses that step's chunks.
+  waited for that copy. The step that computes a prompt's last chunk (the
+  one whose answer may go out first) waits for that, as a CPU step does
+  (``engine.saves_land_before_answer``, on by default): its cost is that
+  step's copy out, plus whatever saves were queued before it. With it off, a
+  kill within that time loses the step's chunks.
 
 The engine's counters include the last commit: while a save is queued or
 committing, the workers report ``saves_pending`` in their stats and the
@@ -280,10 +282,9 @@ class WorkerSide:
                 "chunks are not saved", self._saves.maxsize, len(parts.keys),
             )  # fmt: skip
             return
-        # The pages are read from the blocks, which the next step may reuse; the storage
-        # write need not wait. Released once they are copied and marked complete.
-        if parts.fill_before_step_end and not job.filled.wait(self.config.gateway.request_timeout_ms / 1000 * 2):
-            job.gave_up.set()  # Before the step returns: the saver then stores none of it.
+        # Released once the values are copied and marked complete; the storage write need not wait.
+        if parts.step_waits and not job.filled.wait(self.config.gateway.request_timeout_ms / 1000 * 2):
+            job.gave_up.set()  # Before the step returns: a fill that reads the blocks then stores none of it.
 
     def _save_loop(self) -> None:
         while (job := self._saves.get()) is not None:
@@ -295,7 +296,7 @@ class WorkerSide:
                 # ``settle`` is the one place after which every filled value's bytes are known
                 # to be complete in shared memory (the staged copies have landed): the link
                 # marks them then, and only then is the step released.
-                in_time = (lambda: not job.gave_up.is_set()) if parts.fill_before_step_end else None
+                in_time = (lambda: not job.gave_up.is_set()) if parts.reads_blocks else None
                 stored = self._save_link.store(
                     self.fingerprint, items, parts.fill, parts.settle, job.filled.set, in_time, self.namespace
                 )
