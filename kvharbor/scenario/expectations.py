@@ -98,6 +98,14 @@ class Metric(Model):
     """Of the sum of every sample of that name whose labels include ``labels``."""
 
 
+class Agree(Model):
+    """A status field and a metric that count the same thing must show the same number."""
+
+    status: str = Field(min_length=1)
+    metric: str = Field(min_length=1)
+    labels: dict[str, str] = Field(default_factory=dict)
+
+
 class Expect(Model):
     cached_tokens: Range | None = None
     """Of the last send, summed over its requests."""
@@ -110,6 +118,7 @@ class Expect(Model):
     status: list[StatusField] | None = None
     doctor: list[DoctorFinding] | None = None
     metric: list[Metric] | None = None
+    agree: list[Agree] | None = None
 
     @model_validator(mode="after")
     def _something(self) -> Expect:
@@ -175,6 +184,8 @@ def judge(world: World, expect: Expect) -> list[Check]:
                     f"{total:g}",
                 )
             )
+    if expect.agree:
+        checks += [_judge_agree(status_document(world), metric_samples(world), item) for item in expect.agree]
     return checks
 
 
@@ -252,6 +263,18 @@ def _judge_status(document: Any, item: StatusField) -> Check:
         assert item.range is not None
         passed = isinstance(value, (int, float)) and item.range.holds(float(value))
     return Check(what, passed, repr(value))
+
+
+def _judge_agree(document: Any, samples: list[tuple[str, dict[str, str], float]] | None, item: Agree) -> Check:
+    what = f"status {item.status} agrees with metric {item.metric}{item.labels or ''}"
+    if document is None or samples is None:
+        return Check(what, False, "no gateway answers (status or /metrics)")
+    try:
+        value = resolve(document, item.status)
+    except KeyError as err:
+        return Check(what, False, f"no field {err.args[0]!r} there")
+    total = sum(v for n, labels, v in samples if n == item.metric and item.labels.items() <= labels.items())
+    return Check(what, value == total, f"status {value!r}, metric {total:g}")
 
 
 def _judge_doctor(world: World, item: DoctorFinding) -> Check:

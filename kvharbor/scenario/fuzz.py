@@ -26,7 +26,7 @@ from pathlib import Path
 import yaml
 
 from kvharbor.scenario import actions as a
-from kvharbor.scenario.expectations import Expect, Range
+from kvharbor.scenario.expectations import Agree, Expect, Range
 from kvharbor.scenario.runner import ScenarioResult, run_scenario
 from kvharbor.scenario.schema import CardSetup, Model, Scenario, Setup, Step
 from kvharbor.scenario.timeline import check_timeline
@@ -61,7 +61,11 @@ def draw_timeline(seed: int, actions: int) -> list[tuple[str, Model]]:
     gen.add("start_engine", a.EngineChange())
     for _ in range(actions):
         _draw_one(gen)
-    gen.add("expect", Expect(cache_off=not gen.cache_on))
+    agree = [
+        Agree(status="store.hits.lookups", metric="kvharbor_lookups_total"),
+        Agree(status="store.hits.hit_tokens", metric="kvharbor_hit_tokens_total"),
+    ]
+    gen.add("expect", Expect(cache_off=not gen.cache_on, agree=agree))
     return gen.steps
 
 
