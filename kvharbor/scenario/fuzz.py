@@ -65,6 +65,8 @@ def draw_timeline(seed: int, actions: int) -> list[tuple[str, Model]]:
         Agree(status="store.hits.lookups", metric="kvharbor_lookups_total"),
         Agree(status="store.hits.hit_tokens", metric="kvharbor_hit_tokens_total"),
     ]
+    # The engine finds a killed gateway gone at its next request, not before: one last send.
+    gen.add("send", a.Send(prompts=[a.Prompt(name=gen.rng.choice(PROMPTS), tokens=600)]))
     gen.add("expect", Expect(cache_off=not gen.cache_on, agree=agree))
     return gen.steps
 
@@ -236,6 +238,8 @@ def campaign(runs: int, seed: int, actions: int, save: Path | None = None, echo:
             continue
         same = failed_checks(result)
         failed = sorted(same)
+        if echo:
+            print(f"run {run} (seed {run_seed}) failed: {failed}; re-running to confirm, then shrinking", flush=True)
         reproduced = _fails(scenario, SHRINK_TRIES, same)
         small = shrink(scenario, same) if reproduced else scenario
         failures.append(Failure(run_seed, reproduced, len(small.steps), failed))

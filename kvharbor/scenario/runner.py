@@ -78,8 +78,9 @@ def run_step(world: World, step: Step) -> StepResult:
     sends = len(world.sends)
     try:
         said = ACTIONS[step.kind].run(world, step.params)
-    except ActionFailed as err:
-        return StepResult(step.index, step.kind, step.line, False, str(err))
+    except (ActionFailed, RuntimeError, OSError) as err:
+        # What the run stands on failed (a gateway that never got ready): this step's verdict.
+        return StepResult(step.index, step.kind, step.line, False, f"{type(err).__name__}: {err}")
     checks = invariants(world.sends[-1]) if len(world.sends) > sends else []
     return StepResult(step.index, step.kind, step.line, all(c.passed for c in checks), said, checks)
 
