@@ -147,7 +147,7 @@ def judge(world: World, expect: Expect) -> list[Check]:
         checks.append(Check(f"hit_rate {expect.hit_rate.text()}", expect.hit_rate.holds(rate), f"{rate:.3f}"))
     if expect.cache_off is not None:
         off = world.engine.cache_off if world.engine else True
-        reason = world.engine.switch.reason if world.engine else "no engine"
+        reason = world.engine.off_reason if world.engine else "no engine"
         checks.append(Check(f"cache_off is {expect.cache_off}", off == expect.cache_off, reason or "on"))
     if expect.gateway_running is not None:
         running = world.gateway.running

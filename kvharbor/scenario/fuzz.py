@@ -160,6 +160,9 @@ def shrink(scenario: Scenario, same: set[str]) -> Scenario:
     """Drop steps while the timeline stays possible and still fails the same way."""
     steps = list(scenario.steps)
     for i in range(len(steps) - 1, -1, -1):
+        # An expectation is judged on the send before it: the two go, or stay, together.
+        if steps[i].kind == "expect" or (i + 1 < len(steps) and steps[i + 1].kind == "expect"):
+            continue
         candidate = [s for j, s in enumerate(steps) if j != i]
         trial = replace_steps(scenario, candidate)
         if check_timeline(trial) is None and _fails(trial, SHRINK_TRIES, same):

@@ -15,7 +15,7 @@ import subprocess
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -23,13 +23,16 @@ from kvharbor.config import Config, load_config
 from kvharbor.hal.sim.control import write_control
 from kvharbor.scenario.drivers.light import LightEngine, RequestOutcome
 from kvharbor.scenario.gateway import GatewayProcess
+
+if TYPE_CHECKING:
+    from kvharbor.scenario.drivers.vllm import VllmEngine
 from kvharbor.scenario.schema import EngineSetup, Setup
 from kvharbor.telemetry.log import get_logger
 
 _log = get_logger("kvharbor.scenario")
 
-VOCAB_SIZE = 32_000
-"""Prompt token ids are drawn below it (a tokenizer's vocabulary)."""
+TOKEN_IDS = range(4, 4096)
+"""Prompt token ids: the tiny model's vocabulary past its special tokens (0-3)."""
 
 
 @dataclass(slots=True)
@@ -43,6 +46,15 @@ class SendResult:
     @property
     def prompt_tokens(self) -> int:
         return sum(r.prompt_tokens for r in self.requests)
+
+
+def _engine_section(setup: EngineSetup) -> dict[str, Any]:
+    """The config's engine section for an engine of ``setup``."""
+    return {
+        "chunk_size": setup.chunk_size,
+        "key_namespace": setup.key_namespace,
+        "require_cache_salt": setup.require_cache_salt,
+    }
 
 
 class _Capture(logging.Handler):
@@ -70,7 +82,7 @@ class World:
         self.config_path = self._write_config()
         self.gateway = GatewayProcess(self.config_path, directory / "gateway.log")
         self.engine_log = directory / "engine.log"
-        self.engine: LightEngine | None = None
+        self.engine: LightEngine | VllmEngine | None = None
         self.engine_setup = setup.engine
         self.engine_starts = 0
         self.sends: list[SendResult] = []
@@ -82,17 +94,22 @@ class World:
     # -- the engine ------------------------------------------------------------------
 
     def engine_config(self, setup: EngineSetup) -> Config:
-        engine = {
-            "chunk_size": setup.chunk_size,
-            "key_namespace": setup.key_namespace,
-            "require_cache_salt": setup.require_cache_salt,
-        }
-        return load_config(self.config_path, environ={}, overrides={"engine": engine})
+        return load_config(self.config_path, environ={}, overrides={"engine": _engine_section(setup)})
 
     def start_engine(self, setup: EngineSetup) -> None:
         self.engine_setup = setup
         self.engine_starts += 1
-        self.engine = LightEngine(self.engine_config(setup), setup, f"scenario-engine {self.engine_starts}")
+        if self.setup.driver == "vllm":
+            from kvharbor.scenario.drivers.vllm import VllmEngine
+
+            path = self.directory / f"engine-{self.engine_starts}.yaml"
+            path.write_text(
+                yaml.safe_dump({**yaml.safe_load(self.config_path.read_text()), "engine": _engine_section(setup)})
+            )
+            self.engine = VllmEngine(path, setup, self.directory, f"vllm-{self.engine_starts}")
+            self.engine_log = self.engine.log_path
+        else:
+            self.engine = LightEngine(self.engine_config(setup), setup, f"scenario-engine {self.engine_starts}")
 
     def stop_engine(self) -> None:
         if self.engine is not None:
@@ -103,7 +120,7 @@ class World:
         """The token ids of prompt ``name``: the same in every run of the scenario's seed,
         and a longer prompt of a name extends the shorter (a shared prefix)."""
         rng = random.Random(f"{self.setup.seed}:{name}")
-        return [rng.randrange(VOCAB_SIZE) for _ in range(tokens)]
+        return [rng.choice(TOKEN_IDS) for _ in range(tokens)]
 
     def send(self, name: str, tokens: int, salt: str | None) -> RequestOutcome:
         if self.engine is None:

@@ -129,6 +129,10 @@ class LightEngine:
     def cache_off(self) -> bool:
         return self.switch.is_off
 
+    @property
+    def off_reason(self) -> str:
+        return self.switch.reason
+
     def request(self, name: str, token_ids: Sequence[int], salt: str | None) -> RequestOutcome:
         layout = self.layout
         req = _Req(f"{name}-{next(self._ids)}", list(token_ids), salt)
@@ -139,8 +143,9 @@ class LightEngine:
         self._next_block += len(blocks)
         if external:
             self.scheduler.update_state_after_alloc(req, _Blocks(blocks), external)
+        # As vLLM schedules it: the loaded tokens count as computed, the rest is this step's.
         meta = self.scheduler.build_meta(
-            _Output({req.request_id: n - external}, [_NewReq(req.request_id, (blocks,), 0)])
+            _Output({req.request_id: n - external}, [_NewReq(req.request_id, (blocks,), external)])
         )
         cached, wrong = external, 0
         for load in meta.loads:
