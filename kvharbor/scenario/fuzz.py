@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import yaml
@@ -212,19 +212,10 @@ class CampaignReport:
             {
                 "runs": self.runs, "seed": self.seed, "seconds": round(self.seconds, 1),
                 "runs_per_minute": round(self.runs_per_minute, 1), "actions": self.actions,
-                "failures": [_failure(f) for f in self.failures],
+                "failures": [asdict(f) for f in self.failures],
             },
             indent=2,
         )  # fmt: skip
-
-
-def _failure(failure: Failure) -> dict[str, object]:
-    return {
-        "seed": failure.seed,
-        "reproduced": failure.reproduced,
-        "shrunk_steps": failure.shrunk_steps,
-        "failed": failure.failed,
-    }
 
 
 def campaign(runs: int, seed: int, actions: int, save: Path | None = None, echo: bool = True) -> CampaignReport:
