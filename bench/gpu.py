@@ -14,6 +14,10 @@ writing ``<part>.json`` into ``--out`` (default ``$OUT`` or ``bench-out``):
                                           #     engine process stored, with a service-mode gateway and with
                                           #     the default embedded one lingering, beside recompute in a
                                           #     fresh process; with a step-by-step breakdown of one restore
+  python bench/gpu.py sigint --model DIR  # (d) vLLM's default shutdown: an engine process answers a prompt
+                                          #     and ends at once; how much of the prompt the next process
+                                          #     restores, with and without engine.saves_land_before_answer,
+                                          #     and the cold TTFT of each
   python bench/gpu.py report --json       # merge the parts; the last line is one JSON object
 
 Layout: Llama-3.1-8B (32 layers, 8 KV heads, head size 128, bf16), flash-attn
@@ -570,7 +574,9 @@ def run_engine(args: argparse.Namespace) -> None:
     def write() -> None:
         output.write_text(json.dumps(result, indent=1))
 
-    if mode in ("store", "restore"):
+    if mode == "answer":
+        sigint_role(engine, args, result, write)
+    elif mode in ("store", "restore"):
         restart_role(engine, args, lengths, result, write)
     else:
         e2e_role(engine, args, lengths, result, write)
@@ -902,9 +908,83 @@ def restart_figures(load: Any) -> dict[str, Any]:
     return figures
 
 
+def chunk_bound(length: int) -> int:
+    """The tokens a restore of a fully stored prompt gives back: whole chunks, and never the
+    last token (vLLM computes it)."""
+    return min(length // CHUNK * CHUNK, (length - 1) // BLOCK * BLOCK)
+
+
+def sigint_role(engine: Engine, args: argparse.Namespace, result: dict[str, Any], write: Any) -> None:
+    """``answer``: first the prompt of ``--check`` tokens (0: none), which the previous
+    process answered: what this one restores of it; then each of ``--lengths`` (0: none),
+    cold. Right after the last answer the process ends at once (`os._exit`), engine and
+    saver thread with it, as vLLM's default shutdown (``--shutdown-timeout 0``) kills an
+    engine right after it answered."""
+    vocab = engine.vocab
+    engine.generate(prompt(args.warmup_tokens, 999, vocab))  # Warms vLLM; shorter than a chunk.
+    if args.check:
+        restored = engine.generate(prompt(args.check, args.check, vocab))
+        result["check"] = {"length": args.check, "bound": chunk_bound(args.check), **restored}
+        print(f"[{args.tag}] restored {restored['cached']} of {args.check} (bound {chunk_bound(args.check)})")
+    for length in (n for n in map(int, args.lengths.split(",")) if n > 0):
+        result[str(length)] = {"cold": engine.generate(prompt(length, length, vocab))}
+    write()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def bench_sigint(args: argparse.Namespace) -> None:
+    """(d): per length, an engine process answers the prompt and ends at once (`sigint_role`);
+    the next process answers it again. Each mode (``engine.saves_land_before_answer`` off,
+    then on) runs its processes against the default embedded gateway, which outlives them."""
+    write_model(Path(args.model))
+    lengths = sorted(int(x) for x in args.lengths.split(","))
+    result: dict[str, Any] = {"lengths": lengths, "ram_gb": args.ram_gb}
+    for land in (False, True):
+        tag = f"land-{int(land)}"
+        work = Path(f"/tmp/kvh-sigint-{os.getpid()}-{tag}")
+        work.mkdir(parents=True, exist_ok=True)
+        tiers = [{"name": "ram", "type": "ram", "capacity_gb": args.ram_gb}]
+        sections = kvharbor_sections(work, f"kvh-sigint-{os.getpid()}-{tag}", tiers, RESTART_RING_MB)
+        sections["engine"]["saves_land_before_answer"] = land
+        config_path = work / "kvharbor.yaml"
+        config_path.write_text(json.dumps(sections))  # JSON is YAML
+        runs: dict[str, Any] = {}
+        result[tag] = runs
+        steps = list(zip([0, *lengths], [*lengths, 0], strict=True))
+        try:
+            for number, (check, answer) in enumerate(steps):
+                name = f"sigint-{tag}-{number}"
+                extra = ["--kvharbor", str(config_path), "--check", str(check), "--lengths", str(answer)]
+                code = spawn_engine(args, "answer", name, [*extra, "--warmup-tokens", str(RESTART_WARMUP_TOKENS)])
+                if code != 0:
+                    raise SystemExit(f"bench: engine {name} exited with {code}: {out_dir(args)}/engine-{name}.log")
+                done = json.loads((out_dir(args) / f"engine-{name}.json").read_text())
+                if check:
+                    cold = runs[str(check)]
+                    cold.update(
+                        restored_tokens=done["check"]["cached"],
+                        bound_tokens=done["check"]["bound"],
+                        restart_ttft_s=done["check"]["ttft_s"],
+                        same_token=done["check"]["token"] == cold.pop("cold_token"),
+                    )
+                if answer:
+                    first = done[str(answer)]["cold"]
+                    runs[str(answer)] = {"cold_ttft_s": first["ttft_s"], "cold_token": first["token"]}
+        finally:
+            Gateway(args, "embedded", sections, config_path).stop()  # The one the first process started.
+    for length in map(str, lengths):
+        off, on = result["land-0"].get(length, {}), result["land-1"].get(length, {})
+        if "restored_tokens" in off and "restored_tokens" in on:
+            result[f"restored_vs_bound_{length}_off"] = round(off["restored_tokens"] / off["bound_tokens"], 3)
+            result[f"restored_vs_bound_{length}_on"] = round(on["restored_tokens"] / on["bound_tokens"], 3)
+            result[f"cold_ttft_on_vs_off_{length}"] = round(on["cold_ttft_s"] / off["cold_ttft_s"], 3)
+    save(args, "sigint", result)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("part", choices=["raw", "gateway", "e2e", "restart", "engine", "report"])
+    parser.add_argument("part", choices=["raw", "gateway", "e2e", "restart", "sigint", "engine", "report"])
     parser.add_argument("--out")
     parser.add_argument("--json", action="store_true", help="report: print only the one-line JSON")
     parser.add_argument("--chunks", type=int, default=128, help="raw/gateway: chunks moved (32 MiB each)")
@@ -927,8 +1007,10 @@ def main() -> None:
     parser.add_argument("--tag", help=argparse.SUPPRESS)
     parser.add_argument("--kvharbor", help=argparse.SUPPRESS)
     parser.add_argument("--extras", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--check", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     parts = {"raw": bench_raw, "gateway": bench_gateway, "e2e": bench_e2e, "restart": bench_restart}
+    parts["sigint"] = bench_sigint
     parts.update(engine=run_engine, report=report)
     parts[args.part](args)
 
