@@ -50,6 +50,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "kvharbor.cli.doctor",
     "kvharbor.cli.purge",
     "kvharbor.cli.plan",
+    "kvharbor.cli.scenario",
 )
 """Modules that each register one command group through ``add_parser(subparsers)``."""
 

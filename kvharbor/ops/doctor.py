@@ -37,6 +37,7 @@ from kvharbor.config import Config
 from kvharbor.gateway.layouts import merge
 from kvharbor.gateway.query import GatewayQuery, NoGateway
 from kvharbor.gateway.status import GatewayStatus, RegisteredLayout
+from kvharbor.hal.base import CapacityUsage
 from kvharbor.ops.disk import locate_on_disk, read_disk
 
 REGISTRATION_LINE = re.compile(r"kvharbor: (\d+) (?:GPU )?cache tensors registered \(rank (\d+)")
@@ -223,6 +224,13 @@ def _check_tiers(status: GatewayStatus) -> Finding:
         for name, condition in status.tier_conditions().items()
         if condition.startswith(("breaker open", "failed")) or name in status.store.skipped
     }
+    # A full card with key eviction off refuses every new write while its tier stays
+    # "degraded", not failed: the seed guide's "the card accepts writes" check.
+    for name, card in status.cards.items():
+        if card.capacity_usage is CapacityUsage.CRITICAL and not card.key_eviction:
+            refusing.setdefault(
+                name, "the card is full (CapacityUsage CRITICAL) and key eviction is off: new chunks are not stored"
+            )
     if refusing:
         text = "; ".join(f"{name}: {why}" for name, why in refusing.items())
         return Finding("tiers", Verdict.PROBLEM, f"tiers that take no writes now: {text}")

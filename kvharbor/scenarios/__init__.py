@@ -1,0 +1,1 @@
+"""The shipped scenario files (``*.yaml``): package data, found by `kvharbor.scenario.catalog`."""
