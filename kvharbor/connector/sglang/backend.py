@@ -177,26 +177,34 @@ class KVHarborStorage(HiCacheStorage):
     def batch_set_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
     ) -> list[bool]:
-        ready = self._ready()
-        if ready is None or not keys:
+        placed = self._placed(keys, host_indices)
+        if placed is None:
             return [False] * len(keys)
-        layout, pages, _ = ready
-        spans = self._page_spans(pages, host_indices)
-        if spans is None or len(spans) != len(keys):
-            return [False] * len(keys)
+        layout, pages, spans = placed
         return self._store(layout, keys, lambda i, view: pages.read(spans[i], view))
 
     def batch_get_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
     ) -> list[bool]:
+        placed = self._placed(keys, host_indices)
+        if placed is None:
+            return [False] * len(keys)
+        layout, pages, spans = placed
+        return self._load(layout, keys, lambda i, view: pages.write(spans[i], view))
+
+    def _placed(
+        self, keys: list[str], host_indices: torch.Tensor
+    ) -> tuple[SglangLayout, HostPages, list[tuple[Span, ...]]] | None:
+        """The layout, the host pool and each key's page spans of a v1 call; None when the
+        cache is off, there is nothing to move, or the indices do not name one page per key."""
         ready = self._ready()
         if ready is None or not keys:
-            return [False] * len(keys)
+            return None
         layout, pages, _ = ready
         spans = self._page_spans(pages, host_indices)
         if spans is None or len(spans) != len(keys):
-            return [False] * len(keys)
-        return self._load(layout, keys, lambda i, view: pages.write(spans[i], view))
+            return None
+        return layout, pages, spans
 
     # -- legacy pages (flat page tensors) ----------------------------------------
 
