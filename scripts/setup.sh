@@ -119,14 +119,15 @@ step_done "kvharbor editable install"
 # chromium and chromium-driver for the dashboard's browser test, driven by Selenium (the
 # test extra; Playwright's browser download is not reachable from the project machines);
 # promtool (Debian's prometheus) for the alert rules' tests; systemd-analyze for the
-# systemd unit's.
+# systemd unit's; ip (iproute2) for the shared S3 tier's hosts, each in a network namespace.
 browser="" tools=""
 command -v chromium >/dev/null 2>&1 || browser="${browser} chromium"
 command -v chromedriver >/dev/null 2>&1 || browser="${browser} chromium-driver"
 command -v promtool >/dev/null 2>&1 || tools="${tools} prometheus"
 command -v systemd-analyze >/dev/null 2>&1 || tools="${tools} systemd"
+command -v ip >/dev/null 2>&1 || tools="${tools} iproute2"  # The S3 hosts' network namespaces.
 if [[ -z "${browser}${tools}" ]]; then
-    log "chromium, chromedriver, promtool and systemd-analyze present; skipping"
+    log "chromium, chromedriver, promtool, systemd-analyze and ip present; skipping"
 elif [[ "$(id -u)" == 0 ]]; then
     log "installing${browser}${tools} (apt-get)"
     apt-get update -qq
