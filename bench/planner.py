@@ -41,12 +41,8 @@ T = TypeVar("T")
 
 
 def default_trace() -> Path:
-    """``shared/data/traces/`` beside the checkout or beside a folder above it (a worktree)."""
-    for folder in Path(__file__).resolve().parents:
-        candidate = folder / "shared" / "data" / "traces" / TRACE_NAME
-        if candidate.is_file():
-            return candidate
-    return Path(TRACE_NAME)
+    """The Mooncake conversation trace vendored in ``data/traces/``."""
+    return Path(__file__).resolve().parents[1] / "data" / "traces" / TRACE_NAME
 
 
 def timed(work: Callable[[], T]) -> tuple[T, float, float]:

@@ -1,5 +1,5 @@
-"""Where the shared Mooncake trace lies: ``shared/data/traces/`` beside the checkout (``../shared``
-of /work/main) or beside a folder above it (a worktree under /work/wt)."""
+"""Where the Mooncake trace lies: ``data/traces/`` of this checkout (vendored, so that a clean
+checkout has it)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,6 @@ MOONCAKE_NAME = "mooncake_conversation_trace.jsonl"
 
 def mooncake_trace() -> Path:
     """The trace's path; fails naming where it looked (the validation needs the real trace)."""
-    here = Path(__file__).resolve()
-    looked = []
-    for folder in here.parents:
-        candidate = folder / "shared" / "data" / "traces" / MOONCAKE_NAME
-        if candidate.is_file():
-            return candidate
-        looked.append(str(candidate.parent))
-    raise AssertionError(f"{MOONCAKE_NAME} not found in any of: {', '.join(looked)}")
+    path = Path(__file__).resolve().parents[2] / "data" / "traces" / MOONCAKE_NAME
+    assert path.is_file(), f"{MOONCAKE_NAME} not found at {path}"
+    return path
