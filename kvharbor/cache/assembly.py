@@ -88,10 +88,10 @@ def _forget_interrupted(index: TierIndex, device: Device, tier_name: str) -> Non
 
 
 def _outlives_the_gateway(device: Device) -> bool:
-    """A persistent tier's device: files (`PersistentDevice`), a card, whose objects are
-    found on it again when it opens (`SelfDescribingDevice`), or a store that hosts share
-    (`SharedDevice`: an S3 bucket)."""
-    return isinstance(device, (PersistentDevice, SelfDescribingDevice, SharedDevice))
+    """A persistent tier's device: files (`PersistentDevice`), a card (`CardDevice`; in block
+    mode its objects are found on it again when it opens, `SelfDescribingDevice`), or a
+    store that hosts share (`SharedDevice`: an S3 bucket)."""
+    return isinstance(device, (PersistentDevice, SelfDescribingDevice, SharedDevice, CardDevice))
 
 
 def device_limit(section: TierSection, config: Config) -> int:

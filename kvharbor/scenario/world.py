@@ -220,6 +220,9 @@ class World:
             "storage": {
                 "tiers": tiers,
                 "refill_ram": False,
+                # The scenario's tiers and nothing else: a local fallback beside a RAM-only setup
+                # would be one directory shared by every run (~/.cache), hits leaking between them.
+                "fallback_path": None,
                 # A tier that failed is probed back within a fraction of a second, traffic or not.
                 "backpressure": {
                     "circuit_breaker": {
