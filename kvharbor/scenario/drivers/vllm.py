@@ -12,6 +12,8 @@ read-back) stand, and `RequestOutcome.wrong_bytes` is 0 by construction.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -35,8 +37,10 @@ def tiny_model() -> Path:
 class VllmEngine:
     def __init__(self, config_path: Path, setup: EngineSetup, directory: Path, name: str) -> None:
         self.setup = setup
-        tmp = directory / f"{name}-tmp"  # vLLM leaves ZMQ sockets in TMPDIR: one of its own.
-        tmp.mkdir(parents=True, exist_ok=True)
+        # vLLM leaves ZMQ sockets in TMPDIR: one of its own, short, under /tmp, since a Unix
+        # socket's path holds 107 bytes and the scenario's directory (under the caller's
+        # TMPDIR) can be too deep for vLLM's socket names (it exited with status 1 in CI).
+        tmp = self._tmp = Path(tempfile.mkdtemp(prefix=f"kvh-{name}-", dir="/tmp"))
         env = {k: v for k, v in os.environ.items() if not k.startswith(("KVHARBOR", "VLLM_"))}
         env.update(
             TMPDIR=str(tmp), HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", PYTHONHASHSEED="0",
@@ -48,7 +52,7 @@ class VllmEngine:
         try:
             self.server.wait_ready()
         except BaseException:
-            self.server.stop()
+            self.close()
             raise
 
     @property
@@ -68,3 +72,4 @@ class VllmEngine:
 
     def close(self) -> None:
         self.server.stop()
+        shutil.rmtree(self._tmp, ignore_errors=True)
