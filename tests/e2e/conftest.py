@@ -6,7 +6,6 @@ embedded gateway's, which is removed with the lab): CI keeps only the test's out
 
 from __future__ import annotations
 
-import os
 from collections.abc import Generator, Iterator
 from pathlib import Path
 
@@ -23,21 +22,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     outcome = yield
     if outcome.get_result().failed:
         item.stash[_FAILED] = True
-
-
-@pytest.fixture(autouse=True)
-def written_back() -> None:
-    """Every e2e test starts with the host's dirty pages written back (`os.sync`).
-
-    A file tier fsyncs each value and its directory. On ext4 (data=ordered) that fsync
-    waits for the journal commit, which writes out every dirty page of the host first:
-    right after CI's setup (a 3.5 GB vLLM install) the first commit of the server test
-    was seen blocked in `fsync_dir` for over 6 s, past ``gateway.request_timeout_ms``, and
-    the engine turned its cache off (the gateway's request watchdog printed the stack).
-    That is a fault of the product under such a host (kept as an open issue: the gateway
-    must keep its client informed while a tier's fsync lasts); these tests are about
-    restarts, so they start from a written-back host."""
-    os.sync()
 
 
 @pytest.fixture

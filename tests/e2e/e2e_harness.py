@@ -124,7 +124,14 @@ class Lab:
                 "shm_reserve_mb": 0,
             },
             "storage": {
-                "tiers": tiers or [{"name": "local", "type": "file", "path": str(self.cache), "capacity_gb": 2}],
+                # fsync off: on ext4 (data=ordered) a file tier's fsync waits for the host's whole
+                # writeback, and on a CI host still writing its setup (or beside another job) the
+                # first commit was seen blocked in fsync_dir past gateway.request_timeout_ms, which
+                # turns the engine's cache off (an open product fault: the gateway must keep its
+                # client informed while a tier's fsync lasts). These tests are about restarts of
+                # processes, which the page cache survives; fsync is tested in tests/unit.
+                "tiers": tiers
+                or [{"name": "local", "type": "file", "path": str(self.cache), "capacity_gb": 2, "fsync": False}],
                 # A lab sees the tiers it names: no fallback tier in the user's cache directory.
                 "fallback_path": None,
             },
