@@ -912,7 +912,9 @@ def restart_figures(load: Any) -> dict[str, Any]:
 def chunk_bound(length: int) -> int:
     """The tokens a restore of a fully stored prompt gives back: whole chunks, and never the
     last token (vLLM computes it)."""
-    return min(length // CHUNK * CHUNK, (length - 1) // BLOCK * BLOCK)
+    from kvharbor.cache.keys import max_hit_tokens
+
+    return min(max_hit_tokens(length, CHUNK), max_hit_tokens(length - 1, BLOCK))
 
 
 def sigint_role(engine: Engine, args: argparse.Namespace, result: dict[str, Any], write: Any) -> None:
