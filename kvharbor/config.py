@@ -20,7 +20,7 @@ import pwd
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
@@ -30,6 +30,8 @@ ENV_OVERRIDE_PREFIX = "KVHARBOR__"
 GIB = 1 << 30
 MIB = 1 << 20
 UNIX_SOCKET_PATH_BYTES_MAX = 107
+CPUS_MAX = 8192
+"""The most CPUs a Linux kernel is built for (``CONFIG_NR_CPUS``'s largest value)."""
 """sizeof(sockaddr_un.sun_path) - 1 on Linux: a longer socket path cannot be bound."""
 
 
@@ -194,6 +196,13 @@ class GatewaySection(_Section):
     shm_reserve_mb: int = Field(64, ge=0, description="MiB of shm_dir left free for the engine (NCCL uses it)")
     request_timeout_ms: int = Field(5000, gt=0, description="longest silence of the gateway during one request")
     progress_interval_ms: int = Field(1000, gt=0, description="how often a long request reports progress")
+    request_max_ms: int = Field(
+        120_000, gt=0, description="how long a request in service is reported alive (then it is taken for hung)"
+    )
+    """While a request is served, its client hears from the gateway every
+    ``progress_interval_ms`` even when one write takes seconds; past this, a request
+    still in service is no longer reported, and its client gives up
+    ``request_timeout_ms`` later. It bounds how long a hung tier holds a client."""
     connect_timeout_ms: int = Field(2000, gt=0)
     embedded_start_timeout_ms: int = Field(120_000, gt=0, description="how long the first client waits for it")
     """A gateway allocates its whole segment before it answers: ~19 s for 29 GiB (a 24 GiB RAM
@@ -210,8 +219,21 @@ class GatewaySection(_Section):
     """A GPU writes values in place by DMA at tens of GB/s; one thread checksums ~10."""
     message_bytes_max: int = Field(1 * MIB, ge=128 * 1024, description="largest control message in bytes")
     """At least 128 KiB: a full batch (4096 keys with their sizes) must fit in one message."""
+    cpus: list[Annotated[int, Field(ge=0, lt=CPUS_MAX)]] | None = Field(None, min_length=1, max_length=CPUS_MAX)
+    """CPUs (numbers as the kernel counts them) the gateway's threads run on; none: every
+    CPU its host and cgroup let it use. An embedded gateway is started by an engine's
+    worker, which vLLM's CPU backend binds to its own cores (one each, on a small
+    machine): keeping that binding would leave the gateway a share of the engine's busy
+    core and stall its answers for seconds."""
     access: AccessSection = AccessSection()
     _config_digest: ConfigDigest | None = PrivateAttr(None)
+
+    @field_validator("cpus")
+    @classmethod
+    def _distinct_cpus(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and len(set(value)) != len(value):
+            raise ValueError(f"names a CPU twice: {value}")
+        return value
 
     @property
     def config_digest(self) -> ConfigDigest:
@@ -870,6 +892,11 @@ def validate_config(data: Mapping[str, Any], source: str = "config") -> Config:
             f"invalid kvharbor config ({source}): gateway.progress_interval_ms "
             f"({config.gateway.progress_interval_ms} ms) must be below gateway.request_timeout_ms "
             f"({config.gateway.request_timeout_ms} ms)"
+        )
+    if config.gateway.request_max_ms <= config.gateway.progress_interval_ms:
+        raise ConfigError(
+            f"invalid kvharbor config ({source}): gateway.request_max_ms ({config.gateway.request_max_ms} ms) "
+            f"must be above gateway.progress_interval_ms ({config.gateway.progress_interval_ms} ms)"
         )
     if len(config.gateway.socket.encode()) > UNIX_SOCKET_PATH_BYTES_MAX:
         raise ConfigError(

@@ -216,7 +216,7 @@ class GatewayClient:
                 # A gateway that refuses this process at accept answers before it reads, and
                 # hangs up: its reason is still there to read.
                 send_message(sock, hello, 0)
-            _, reply = FrameReader(sock, section.message_bytes_max).message()
+            _, reply = FrameReader(sock, section.message_bytes_max).answer(0)
         except (OSError, PeerClosed, p.ProtocolError) as err:
             sock.close()
             raise GatewayUnavailable(f"gateway at {section.socket} did not complete the handshake: {err}") from None
@@ -393,11 +393,7 @@ class GatewayClient:
                 raise GatewayRefused(err.code, f"not sent: {err.message}") from None
             try:
                 self._sock.sendall(data)
-                frame, reply = self._reader.message()
-                # Each PROGRESS restarts the socket's timeout: request_timeout_ms
-                # bounds the gateway's silence, not a long request's duration.
-                while isinstance(reply, p.Progress) and frame.request_id == request_id:
-                    frame, reply = self._reader.message()
+                frame, reply = self._reader.answer(request_id)
             except (TimeoutError, BlockingIOError):  # BlockingIOError: SO_RCVTIMEO expired.
                 raise self._fail(
                     f"gateway did not answer {type(request).__name__} within "

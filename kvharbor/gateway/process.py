@@ -10,6 +10,7 @@ import threading
 from pathlib import Path
 
 from kvharbor.config import Config
+from kvharbor.gateway.cpus import CpusUnusable, place_on_cpus
 from kvharbor.gateway.heap import keep_freed_memory
 from kvharbor.gateway.server import Gateway, GatewayStartError
 from kvharbor.telemetry.log import get_logger
@@ -64,6 +65,11 @@ def run_gateway(
     """
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        place_on_cpus(config.gateway.cpus)  # Before any thread starts: they inherit it.
+    except CpusUnusable as err:
+        _log.error("kvharbor: gateway cannot start: %s", err)
+        return EXIT_CANNOT_START
     keep_freed_memory()  # Before the store allocates anything.
     gateway = Gateway(config, start_clean=start_clean, linger_s=linger_s, config_path=config_path)
     try:

@@ -119,9 +119,7 @@ class GatewayQuery:
         self._next_id += 1
         try:
             send_message(self._sock, request, request_id)
-            frame, reply = self._reader.message()
-            while isinstance(reply, p.Progress) and frame.request_id == request_id:
-                frame, reply = self._reader.message()
+            frame, reply = self._reader.answer(request_id)
         except TimeoutError:
             raise NoGateway(
                 Absence.NO_ANSWER,

@@ -42,6 +42,7 @@ from kvharbor.gateway.access import AccessPolicy, Peer, peer_of
 from kvharbor.gateway.layouts import LayoutRegistry
 from kvharbor.gateway.lifetime import Lifetime
 from kvharbor.gateway.prober import TierProber
+from kvharbor.gateway.progress import Heartbeat, RequestProgress
 from kvharbor.gateway.shm import (
     PAGE_BYTES,
     Segment,
@@ -107,28 +108,6 @@ def _cannot(action: str, path: Path, setting: str, err: OSError) -> GatewayStart
     return GatewayStartError(f"cannot {action} {path} ({err.strerror or err}); check {setting}")
 
 
-class _Progress:
-    """Reports a long request's progress to its client at most once per interval (a
-    PROGRESS frame), so that a large commit to a slow tier is not taken for a hang."""
-
-    def __init__(self, sock: socket.socket, interval_s: float) -> None:
-        self._sock = sock
-        self._interval_s = interval_s
-        self._request_id = 0
-        self._next = 0.0
-
-    def start(self, request_id: int) -> None:
-        """A new request begins: its first report is due one interval from now."""
-        self._request_id = request_id
-        self._next = time.monotonic() + self._interval_s
-
-    def __call__(self, done: int) -> None:
-        now = time.monotonic()
-        if now >= self._next:
-            send_message(self._sock, p.Progress(done), self._request_id)
-            self._next = now + self._interval_s
-
-
 @dataclass(slots=True)
 class _Connection:
     """What the gateway knows about one client connection; touched only by its thread."""
@@ -142,7 +121,7 @@ class _Connection:
     """The client's name, from its HELLO."""
     greeted: bool = False
     refusals_logged: set[p.ErrorCode] = field(default_factory=set)
-    progress: _Progress | None = None
+    progress: RequestProgress | None = None
     """Reports the progress of the request being served."""
 
 
@@ -185,6 +164,8 @@ class Gateway:
         self._stopping = threading.Event()
         self._watchdog = RequestWatchdog(config.gateway.request_timeout_ms / 1000 / 2)
         """Says a request that outlasts half of its client's patience, with every thread's stack."""
+        self._heartbeat = Heartbeat(config.gateway.progress_interval_ms / 1000)
+        """Tells each client whose request is in service that it still is."""
         self.metrics.clients_attached.set_function(self._clients_attached)
         # Held for the whole of `stop`: a second caller (signal thread, main
         # thread, parent watcher) waits until the first has finished cleaning
@@ -245,6 +226,7 @@ class Gateway:
         self.refill.start()
         self._prober.start()
         self._watchdog.start()
+        self._heartbeat.start()
         self.dashboard = Dashboard.start(
             GatewayHooks(
                 config=lambda: self.config,
@@ -379,6 +361,7 @@ class Gateway:
             if self._prober is not None:
                 self._prober.stop()
             self._watchdog.stop()
+            self._heartbeat.stop()
             if self.dashboard is not None:
                 self.dashboard.stop()  # Before the store closes: the page reads it.
             if self.refill is not None:
@@ -509,7 +492,9 @@ class Gateway:
     def _serve_client(self, connection: _Connection) -> None:
         sock = connection.sock
         reader = FrameReader(sock, self.config.gateway.message_bytes_max)
-        progress = connection.progress = _Progress(sock, self.config.gateway.progress_interval_ms / 1000)
+        gw = self.config.gateway
+        progress = connection.progress = RequestProgress(sock, gw.progress_interval_ms / 1000, gw.request_max_ms / 1000)
+        self._heartbeat.add(progress)
         try:
             while not self._stopping.is_set():
                 try:
@@ -518,12 +503,12 @@ class Gateway:
                     # An oversized frame cannot be skipped safely: answer and hang up.
                     self._reject(connection, err, 0)
                     return
-                progress.start(frame.request_id)
                 started = time.perf_counter()
                 outcome: p.Message | p.ProtocolError
                 self._watchdog.begin(frame.type, connection.peer)
                 try:
-                    outcome = self._answer(connection, frame.type, body)
+                    with progress.serving(frame.request_id):
+                        outcome = self._answer(connection, frame.type, body)
                 except p.ProtocolError as err:
                     outcome = err
                 finally:
@@ -542,6 +527,7 @@ class Gateway:
         except (PeerClosed, OSError):
             pass  # The client went away; its extents are freed below.
         finally:
+            self._heartbeat.remove(progress)
             self._disconnect(connection)
 
     def _answer(self, connection: _Connection, kind: int, body: memoryview) -> p.Message:
@@ -645,7 +631,7 @@ class Gateway:
                 return p.Purged(self._purge(selection, apply, progress))
         raise p.ProtocolError(p.ErrorCode.MALFORMED, f"{type(message).__name__} is not a request")
 
-    def _purge(self, selection: PurgeFilter, apply: bool, progress: _Progress) -> PurgeReport:
+    def _purge(self, selection: PurgeFilter, apply: bool, progress: RequestProgress) -> PurgeReport:
         """`kvharbor purge` through this gateway: every tier, its RAM tiers included."""
         assert self.store is not None
         # A purge reads what the tiers hold: the writes queued for them land first (within

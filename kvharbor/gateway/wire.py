@@ -15,6 +15,7 @@ from kvharbor.gateway.protocol import (
     ErrorCode,
     FrameHeader,
     Message,
+    Progress,
     ProtocolError,
     decode_body,
     decode_frame_header,
@@ -90,6 +91,15 @@ class FrameReader:
     def message(self) -> tuple[FrameHeader, Message]:
         header, body = self.frame()
         return header, decode_body(header.type, body)
+
+    def answer(self, request_id: int) -> tuple[FrameHeader, Message]:
+        """The next message that is not a PROGRESS report on ``request_id``: each report
+        restarts the socket's timeout, which so bounds the gateway's silence, not a long
+        request's duration (`kvharbor.gateway.progress`)."""
+        header, message = self.message()
+        while isinstance(message, Progress) and header.request_id == request_id:
+            header, message = self.message()
+        return header, message
 
 
 def send_message(sock: socket.socket, message: Message, request_id: int) -> None:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import yaml
 from gateway_harness import (
     FINGERPRINT,
     GatewayProcess,
@@ -109,6 +110,47 @@ def test_hung_gateway_fails_a_call_within_request_timeout(started: Callable[...,
                 client.status()
         finally:
             os.kill(gateway.pid, signal.SIGCONT)
+
+
+def slow_card_tiers(tmp_path: Path, write_s: float) -> list[dict[str, object]]:
+    """One tier: a simulated card each of whose writes takes ``write_s`` of wall time."""
+    params = tmp_path / "slow-card.yaml"
+    params.write_text(yaml.safe_dump({"write_latency_s": write_s}))
+    return [{"name": "card", "type": "nvme", "device": f"sim:{params}"}]
+
+
+def test_one_write_longer_than_request_timeout_is_not_taken_for_a_hang(
+    started: Callable[..., GatewayProcess], tmp_path: Path
+) -> None:
+    """A commit of a single value whose write takes 1.5 s, against a 400 ms silence limit:
+    no item completes to report, and the gateway's heartbeat keeps its client waiting."""
+    gateway = started(
+        tiers=slow_card_tiers(tmp_path, 1.5), request_timeout_ms=400, progress_interval_ms=100, ring_wait_ms=100
+    )
+    key = keys_of(1)
+    with closing_client(gateway.client()) as client:
+        assert put_values(client, [(key[0], 4096)]) == 1
+        assert get_values(client, key) == [value_for(key[0], 4096)]
+
+
+def test_a_request_past_request_max_ms_is_taken_for_hung(
+    started: Callable[..., GatewayProcess], tmp_path: Path
+) -> None:
+    """The heartbeat is bounded: a write that outlasts gateway.request_max_ms (a hung
+    tier) loses its client, which gives up request_timeout_ms after the last report."""
+    gateway = started(
+        tiers=slow_card_tiers(tmp_path, 3.0),
+        request_timeout_ms=400,
+        progress_interval_ms=100,
+        request_max_ms=800,
+        ring_wait_ms=100,
+    )
+    with (
+        closing_client(gateway.client()) as client,
+        pytest.raises(GatewayUnavailable, match=r"did not answer PutCommit within 400 ms"),
+    ):
+        put_values(client, [(keys_of(1)[0], 4096)])
+    wait_until(lambda: "past half of gateway.request_timeout_ms" in gateway.log(), "the watchdog's warning")
 
 
 def test_client_does_not_reconnect_to_a_new_gateway(lab: Lab) -> None:

@@ -123,6 +123,9 @@ def _tiers(*tiers: dict[str, Any]) -> dict[str, Any]:
         pytest.param({"gateway": {"linger_s": -1}}, ["gateway.linger_s", "greater than or equal"], id="linger < 0"),
         pytest.param({"gateway": {"linger_s": "abc"}}, ["gateway.linger_s", "'abc'"], id="linger not a number"),
         pytest.param({"gateway": {"linger_s": "nan"}}, ["gateway.linger_s", "finite"], id="linger nan"),
+        pytest.param({"gateway": {"cpus": [0, 0]}}, ["gateway.cpus", "names a CPU twice"], id="a CPU twice"),
+        pytest.param({"gateway": {"cpus": [-1]}}, ["gateway.cpus", "greater than or equal to 0"], id="CPU < 0"),
+        pytest.param({"gateway": {"cpus": []}}, ["gateway.cpus", "at least 1"], id="no CPUs"),
         pytest.param(
             {"storage": {"refill_ram_mb_per_s": 0}},
             ["storage.refill_ram_mb_per_s", "greater than 0"],
