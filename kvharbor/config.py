@@ -266,7 +266,7 @@ class TierSection(_Section):
     async_writes: bool = True
     """Writes to this tier go through its queue (``storage.async_*``), served by worker
     threads, so that a put returns once the tiers above have it. The default is the type's:
-    true for remote stores (object stores, filers), false for RAM, local files and a card.
+    false for RAM (memory is not slower than the queue's own copy) and a card, true for the others.
     The store's first tier (the first configured one that opens) is always written before a
     put returns, whatever it says: the engine's saves land there."""
 
@@ -283,10 +283,14 @@ class RamTierSection(TierSection):
 class FileTierSection(TierSection):
     type: Literal["file"] = "file"
     path: str
-    async_writes: bool = False
-    """A local disk: false, so that a value is on the disk before its put returns and
-    survives the gateway even when it is killed (a queued write would die with it); the
-    disk's own speed bounds the put. True trades that for puts at the speed of the tier above."""
+    async_writes: bool = True
+    """Below another tier (the default RAM tier first), a put returns once the tier above
+    has the value, and this one is written from its queue (``storage.async_*``): the
+    engine's saves land at memory speed, not the disk's. A value still queued when the
+    gateway is killed (SIGKILL, power loss) is lost, never half-written; a gateway that
+    stops writes its queue out first (``storage.async_shutdown_deadline_s``). False: a
+    value is on the disk before its put returns. As the first tier it is always written
+    before the put returns."""
     fsync: bool = True
     """Flush every object to stable storage before it counts as stored."""
     fanout_levels: int = Field(2, ge=0, le=3)
@@ -373,7 +377,11 @@ class NvmeTierSection(TierSection):
     (``file:PATH``) or an NVMe device path; the `card` section holds its settings."""
 
     type: Literal["nvme"] = "nvme"
-    async_writes: bool = False  # Local flash, written as fast as a file (see `FileTierSection`).
+    async_writes: bool = False
+    """Written before a put returns, below RAM too: a card answers each write itself (full
+    with key eviction off: event 3002; its target down: the breaker opens), and those
+    answers are what its status and the breaker follow per write. True queues it like a
+    file tier below the first."""
     device: str = Field(min_length=1)
     capacity_gb: float | None = Field(None, gt=0)  # type: ignore[assignment]
     """Optional: the device's capacity by default; a larger value is refused when the tier opens."""

@@ -84,6 +84,7 @@ def test_lookups_puts_gets_evictions_and_corrupt_objects_move_their_series(
         assert put_values(client, first) == 4
         assert client.lookup(keys, CHUNK_TOKENS) == 4
         assert get_values(client, keys) == [value_for(k, s) for k, s in first]
+        gateway.settle()  # The file tier is written from its queue.
         after = scrape(gateway)
         assert value(after, "kvharbor_lookups_total") == 2
         assert value(after, "kvharbor_lookup_tokens_total") == 2 * 4 * CHUNK_TOKENS
@@ -101,6 +102,7 @@ def test_lookups_puts_gets_evictions_and_corrupt_objects_move_their_series(
         # More than RAM holds: the first values are evicted from it, still on files.
         for tag in itertools.islice(itertools.count(2), 4):
             assert put_values(client, items(tag, 4)) == 4
+        gateway.settle()
         full = scrape(gateway)
         evicted = value(full, "kvharbor_tier_evictions_total", tier="ram")
         assert evicted >= 4 and value(full, "kvharbor_tier_evictions_total", tier="files") == 0

@@ -109,6 +109,12 @@ class RealGateway:
             connection.sock.shutdown(socket.SHUT_RDWR)
         return len(connections)
 
+    def settle(self) -> None:
+        """Wait (bounded) until the tiers written from a queue (the file tier below RAM) hold
+        what the puts so far gave them."""
+        assert self.server is not None and self.server.store is not None, "not serving"
+        assert self.server.store.settle(WAIT_S), f"the write queues still held values after {WAIT_S} s"
+
     # -- what it saw -------------------------------------------------------
 
     def status(self) -> GatewayStatus:

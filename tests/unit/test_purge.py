@@ -22,6 +22,8 @@ from kvharbor.cli import main
 from kvharbor.config import load_config
 from kvharbor.gateway import protocol as p
 
+SETTLE_S = 30.0
+"""Longest wait for the file tier's write queue to write what the puts gave it."""
 ALPHA = LayoutFingerprint(model_id="m", chunk_size=16, key_namespace="alpha")
 BETA = LayoutFingerprint(model_id="m", chunk_size=16, key_namespace="beta")
 VALUE = os.urandom(2048)
@@ -91,18 +93,18 @@ def test_purge_messages_round_trip_and_a_bad_body_is_malformed() -> None:
 # -- the age rule across tiers ----------------------------------------------------
 
 
-def two_tier_store(tmp_path: Path) -> TieredStore:
-    config = load_config(write_config(tmp_path), environ={})
+def two_tier_store(tmp_path: Path, **file_tier: object) -> TieredStore:
+    config = load_config(write_config(tmp_path, **file_tier), environ={})
     return open_store(config)
 
 
-def write_config(tmp_path: Path) -> Path:
+def write_config(tmp_path: Path, **file_tier: object) -> Path:
     document = {
         "gateway": {"mode": "service", "socket": str(tmp_path / "gw.sock")},
         "storage": {
             "tiers": [
                 {"name": "ram", "type": "ram", "capacity_gb": 0.01},
-                {"name": "local", "type": "file", "path": str(tmp_path / "files"), "capacity_gb": 0.01},
+                {"name": "local", "type": "file", "path": str(tmp_path / "files"), "capacity_gb": 0.01, **file_tier},
             ]
         },
     }
@@ -117,6 +119,7 @@ def test_a_value_used_recently_in_one_tier_is_not_old_in_any(tmp_path: Path, mon
         keys = [bytes([i]) * 16 for i in range(4)]
         for key in keys:
             assert store.put(key, ALPHA.digest(), VALUE)
+        assert store.settle(SETTLE_S)  # The file tier is written from its queue; a purge reads the tiers.
         now_s = time.time()
         # The RAM tier uses keys[0] 100 s from now; the file tier is not asked for it again.
         monkeypatch.setattr(index_module, "_now_s", lambda: int(now_s) + 100)
@@ -143,6 +146,7 @@ def test_no_gateway_purges_the_files_directly_and_keeps_objects_of_unknown_names
     try:
         for key in untagged:  # No writer said its namespace: stored as before tags.
             assert store.put(key, ALPHA.digest(), VALUE)
+        assert store.settle(SETTLE_S)  # On the disk before the namespace is known.
         store.namespaces.learn(ALPHA.digest(), namespace_tag("alpha"))
         for key in alpha:
             assert store.put(key, ALPHA.digest(), VALUE)
@@ -249,8 +253,9 @@ def test_a_card_tier_is_purged_by_its_header_tags_or_by_the_same_key_elsewhere_a
 
 
 def test_a_long_purge_reports_progress_every_few_hundred_keys(tmp_path: Path) -> None:
-    # What keeps a client's request_timeout_ms from firing while the gateway purges.
-    store = two_tier_store(tmp_path)
+    # What keeps a client's request_timeout_ms from firing while the gateway purges. The file
+    # tier written at once: its queue would drop the puts that outrun it, as it should.
+    store = two_tier_store(tmp_path, async_writes=False)
     try:
         keys = [i.to_bytes(16, "little") for i in range(3 * STEP_KEYS)]
         for key in keys:

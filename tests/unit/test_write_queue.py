@@ -345,15 +345,17 @@ def test_async_writes_default_per_type_and_the_first_tier_is_always_written_at_o
                     {"name": "slow", "type": "file", "path": f"{tmp_path}/b", "capacity_gb": 0.01,
                      "async_writes": True},
                     {"name": "disk", "type": "file", "path": f"{tmp_path}/c", "capacity_gb": 0.01},
+                    {"name": "sync", "type": "file", "path": f"{tmp_path}/d", "capacity_gb": 0.01,
+                     "async_writes": False},
                 ],
                 "async_queue_depth": 8, "async_queue_mb": 4, "async_workers": 3,
             }
         }
     )  # fmt: skip
-    assert [t.async_writes for t in config.storage.tiers] == [True, False, True, False]
+    assert [t.async_writes for t in config.storage.tiers] == [True, False, True, True, False]
     store = open_store(config)
     try:
-        assert sorted(store.queues) == ["slow"], "never the first tier, whatever it says"
+        assert sorted(store.queues) == ["disk", "slow"], "never the first tier, whatever it says"
         queue = store.status().tiers[2].write_queue
         assert queue is not None and (queue.depth_max, queue.bytes_max, queue.workers) == (8, 4 << 20, 3)
     finally:
