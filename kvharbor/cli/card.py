@@ -5,7 +5,10 @@
 
 ``--device`` names a card as a tier's ``device:`` does (``sim``,
 ``sim:PARAMS.yaml``, ``file:PATH``, ``/dev/nvmeXnY``, ``/dev/ngXnY``);
-``--config`` uses the configured card tier and the ``card`` section.
+``--config`` uses the configured card tier and the ``card`` section; while the
+configured gateway serves it (it holds the card: a block store's lock, a simulated
+card in its own memory), status, usage and events are the gateway's answer (its
+status carries each card's newest events).
 
 ``wipe`` removes every key. It asks for confirmation (the word ``yes`` on
 stdin) unless ``--yes``; with nothing to read on stdin it refuses. It refuses
@@ -31,6 +34,7 @@ from dataclasses import asdict
 from typing import Any
 
 from kvharbor.cli import Subparsers, add_config_argument, config_from_args
+from kvharbor.hal.base import CardEventRecord, CardStatus
 
 VIEWS = ("status", "usage", "events", "wipe")
 
@@ -61,13 +65,37 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--yes and --force apply to 'kvharbor card wipe' only")
     if args.view == "wipe":
         return _wipe(args)
-    device = _open(args)
-    try:
-        report = _report(device, args.view)
-    finally:
-        device.close()
+    served = _from_gateway(args) if args.config is not None else None
+    if served is not None:
+        report = _report(*served, args.view)
+    else:
+        device = _open(args)
+        try:
+            report = _report(device.card_status(), device.health().state.value, device.card_events(), args.view)
+        finally:
+            device.close()
     _print(report, args.json)
     return 0
+
+
+def _from_gateway(args: argparse.Namespace) -> tuple[CardStatus, str, list[CardEventRecord]] | None:
+    """The configured card as the gateway serving it reports it (it holds the card: a block
+    store's lock, a simulated card in its memory), or None when no gateway answers there."""
+    from kvharbor.gateway.query import GatewayQuery, NoGateway
+
+    config = config_from_args(args)
+    name = _section(args, config).name
+    try:
+        with GatewayQuery.connect(config.gateway) as query:
+            status = query.status()
+    except NoGateway:
+        return None
+    card = status.cards.get(name)
+    if card is None:
+        condition = status.tier_conditions().get(name, "not among its tiers")
+        raise ValueError(f"the gateway at {status.socket} serves no answering card tier {name!r}: {condition}")
+    (tier,) = [tier for tier in status.store.tiers if tier.name == name]
+    return card, tier.health, status.card_events.get(name, [])
 
 
 def _print(report: dict[str, Any], as_json: bool) -> None:
@@ -121,12 +149,11 @@ def _section(args: argparse.Namespace, config: Any) -> Any:
     return cards[0]
 
 
-def _report(device: Any, view: str) -> dict[str, Any]:
-    status = device.card_status()
+def _report(status: CardStatus, health: str, events: list[CardEventRecord], view: str) -> dict[str, Any]:
     if view == "status":
         fields = asdict(status)
         fields["capacity_usage"] = status.capacity_usage.value
-        fields["health"] = device.health().state.value
+        fields["health"] = health
         fields["paths"] = list(status.paths)
         return fields
     if view == "usage":
@@ -138,7 +165,7 @@ def _report(device: Any, view: str) -> dict[str, Any]:
             "keys_max": status.keys_max,
             "key_eviction": status.key_eviction,
         }
-    return {"events": [asdict(event) for event in device.card_events()]}
+    return {"events": [asdict(event) for event in events]}
 
 
 # -- wipe ----------------------------------------------------------------------

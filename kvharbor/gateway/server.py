@@ -53,11 +53,18 @@ from kvharbor.gateway.shm import (
     segment_path,
     shm_space,
 )
-from kvharbor.gateway.status import AttachedClient, DetachedClient, GatewayStatus, HitRate, ShmStatus
+from kvharbor.gateway.status import (
+    CARD_EVENTS_IN_STATUS,
+    AttachedClient,
+    DetachedClient,
+    GatewayStatus,
+    HitRate,
+    ShmStatus,
+)
 from kvharbor.gateway.transfers import Batch, Transfers
 from kvharbor.gateway.watchdog import RequestWatchdog
 from kvharbor.gateway.wire import FrameReader, PeerClosed, send_message
-from kvharbor.hal.base import CardDevice, CardStatus, Device, DeviceError, PersistentDevice
+from kvharbor.hal.base import CardDevice, CardEventRecord, CardStatus, Device, DeviceError, PersistentDevice
 from kvharbor.hal.extents import round_up
 from kvharbor.hal.shm_ram import SharedRamDevice
 from kvharbor.telemetry.collectors import StoreCollector
@@ -419,6 +426,7 @@ class Gateway:
         store_status = store.status()
         recent_query, recent_hit = store.hits.recent.totals()
         hits = store_status.hits
+        cards, card_events = self._cards()
         return GatewayStatus(
             release=__version__,
             protocol=p.PROTOCOL_VERSION,
@@ -450,27 +458,29 @@ class Gateway:
                 lookups=hits.lookups,
             ),
             store=store_status,
-            cards=self._cards(),
+            cards=cards,
+            card_events=card_events,
             refill=refill.status(),
             layouts=self.layouts.layouts(),
             dashboard_url=None if self.dashboard is None else self.dashboard.status.url,
             metrics_url=None if self.dashboard is None else self.dashboard.status.metrics_url,
         )
 
-    def _cards(self) -> dict[str, CardStatus]:
-        """The card section of each tier on a card that answers; one that does not shows
-        in its tier's health and breaker instead."""
+    def _cards(self) -> tuple[dict[str, CardStatus], dict[str, list[CardEventRecord]]]:
+        """The card section and newest events of each tier on a card that answers; one that
+        does not shows in its tier's health and breaker instead."""
         assert self.store is not None
-        cards = {}
+        cards, events = {}, {}
         for tier in self.store.tiers:
             if isinstance(tier.device, CardDevice):
                 try:
                     cards[tier.name] = tier.device.card_status()
+                    events[tier.name] = tier.device.card_events()[-CARD_EVENTS_IN_STATUS:]
                 except (DeviceError, OSError) as err:
                     self._once.say(
                         f"card-status:{tier.name}", f"tier {tier.name}: the card's status is unreadable: {err}"
                     )
-        return cards
+        return cards, events
 
     def readiness(self) -> str | None:
         """None while the gateway accepts clients with its store open; else why not (``/readyz``)."""

@@ -25,7 +25,7 @@ from kvharbor.cache.keys import LayoutFingerprint
 from kvharbor.cache.refill import RefillStatus
 from kvharbor.cache.store import StoreStatus
 from kvharbor.cache.tier import TierStatus
-from kvharbor.hal.base import CardStatus
+from kvharbor.hal.base import CardEventRecord, CardStatus
 
 
 class StatusFormError(ValueError):
@@ -115,6 +115,8 @@ class RegisteredLayout:
         return self.fingerprint.short()
 
 
+CARD_EVENTS_IN_STATUS = 64
+"""Newest events of each card a status carries (a card keeps more in its own log)."""
 RANKS_OFF_NOTE = (
     "a gateway sees a rank's cache off only when the rank closes its connections and its process lives on; "
     "each rank's own metric vllm:kvharbor_cache_off is the authority"
@@ -146,6 +148,9 @@ class GatewayStatus:
     store: StoreStatus
     cards: dict[str, CardStatus]
     """The card section, by tier name, for each tier on a card."""
+    card_events: dict[str, list[CardEventRecord]]
+    """Each card's newest events (`CARD_EVENTS_IN_STATUS` at most), oldest first, by tier
+    name: ``kvharbor card events --config`` reads them here while the gateway holds the card."""
     refill: RefillStatus
     layouts: list[RegisteredLayout]
     dashboard_url: str | None = None

@@ -9,6 +9,7 @@ a line of the gateway's log, bounded by the harness's deadline.
 from __future__ import annotations
 
 import itertools
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -48,6 +49,18 @@ def card_gateway_config(lab: Lab, tmp_path: Path, **breaker: float) -> tuple[Pat
     return path, control
 
 
+def card_cli(view: str, config_path: Path) -> dict[str, object]:
+    """``kvharbor card VIEW --config FILE --json``, run as a user runs it."""
+    shown = subprocess.run(
+        [sys.executable, "-m", "kvharbor", "card", view, "--config", str(config_path), "--json"],
+        capture_output=True,
+        text=True,
+    )
+    assert shown.returncode == 0, shown.stderr
+    answer: dict[str, object] = json.loads(shown.stdout)
+    return answer
+
+
 def card_status(status: GatewayStatus) -> TierStatus:
     (card,) = [tier for tier in status.store.tiers if tier.name == "card"]
     return card
@@ -78,6 +91,12 @@ def test_a_gateway_serves_from_a_simulated_card_through_full_and_a_target_outage
         )
         assert shown.returncode == 0 and "CapacityUsage CRITICAL" in shown.stdout, shown.stderr
         assert "card [nvme]: degraded: " in shown.stdout
+        # kvharbor card asks the gateway that holds the card (its simulated card lives there).
+        events = card_cli("events", config_path)
+        assert [e["code"] for e in events["events"]].count(3002) >= 1, events
+        usage = card_cli("usage", config_path)
+        assert usage["capacity_usage"] == "CRITICAL" and usage["key_eviction"] is False
+        assert card_cli("status", config_path)["health"] == "degraded"
         # The first values left the small RAM tier long ago: the card serves them.
         keys = [key for key, _ in first]
         assert get_values(client, keys) == [value_for(k, s) for k, s in first]

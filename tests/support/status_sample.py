@@ -15,7 +15,7 @@ from kvharbor.gateway.status import (
     RegisteredLayout,
     ShmStatus,
 )
-from kvharbor.hal.base import CapacityUsage, CardStatus
+from kvharbor.hal.base import CapacityUsage, CardEventRecord, CardStatus
 from kvharbor.telemetry.metrics import CodecStats, HitCounts, TierCounts
 
 LAYOUT = LayoutFingerprint(model_id="tiny", chunk_size=16, kv_shapes=("L0:2x4x8:float32",), extra=(("device", "cpu"),))
@@ -50,6 +50,7 @@ def sample_status(temperature_c: float = 41.5) -> GatewayStatus:
         hit_rate=HitRate(300.0, 64, 32, 128, 48, 4),
         store=StoreStatus([tier], "write_through", HitCounts(lookups=4), {"files": "unavailable: no such directory"}),
         cards={"card": card},
+        card_events={"card": [CardEventRecord(7, 12.5, 3002, "card full", "a write was refused: the card is full")]},
         refill=RefillStatus("done", 1, 4096, 0, 0.5, True),
         layouts=[RegisteredLayout(LAYOUT.digest().hex(), LAYOUT, "vllm-worker rank 0", 1.7e9, True)],
         dashboard_url="http://127.0.0.1:9400/",
