@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from kvharbor.config import (
     TIER_TYPES,
@@ -261,3 +263,12 @@ def test_access_names_that_do_not_exist_are_refused_naming_the_key() -> None:
     access = validate_config({"gateway": {"access": {"group": "root", "users": ["root", 4242]}}}).gateway.access
     assert (access.gid, access.uids, access.widened) == (0, frozenset({0, 4242}), True)
     assert not validate_config({}).gateway.access.widened, "owner-only by default"
+
+
+def test_every_config_block_of_the_readme_is_a_valid_config() -> None:
+    """The README's configuration reference names real keys with accepted values."""
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    blocks = re.findall(r"```yaml\n(.*?)```", readme, re.S)
+    assert blocks, "the README has YAML config blocks"
+    for block in blocks:
+        validate_config(yaml.safe_load(block))
