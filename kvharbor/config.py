@@ -55,6 +55,19 @@ class EngineSection(_Section):
     the engine is told it has them; a request waits at most this long (other requests are
     scheduled meanwhile). Past it, the chunks not read back by then are recomputed, not
     promised. 0: only chunks in RAM are promised."""
+    load_resample_s: float = Field(
+        60.0, gt=0, allow_inf_nan=False, description="seconds a load rate that says recompute is trusted unmeasured"
+    )
+    """The engine recomputes a stored prefix when its measured load rate says restoring
+    it is slower; recomputing measures no load, so after this long without a new sample
+    the rate is forgotten and the next stored prefix is loaded to measure it again (cut
+    short by the worker if it is still slow). Without it one slow stretch of a disk would
+    keep every later prefix recomputed for the engine's life."""
+    load_resample_max_s: float = Field(
+        3600.0, gt=0, allow_inf_nan=False, description="longest wait between re-measurements that find it slow"
+    )
+    """Each re-measurement that still says recompute doubles the wait for the next, up
+    to this: an engine with a slow tier and few requests does not restore on each of them."""
     verify_idle_wait_ms: int = Field(
         10, ge=0, description="longest pause of an idle engine step for a read-back to finish"
     )
@@ -892,6 +905,11 @@ def validate_config(data: Mapping[str, Any], source: str = "config") -> Config:
             f"invalid kvharbor config ({source}): gateway.progress_interval_ms "
             f"({config.gateway.progress_interval_ms} ms) must be below gateway.request_timeout_ms "
             f"({config.gateway.request_timeout_ms} ms)"
+        )
+    if config.engine.load_resample_max_s < config.engine.load_resample_s:
+        raise ConfigError(
+            f"invalid kvharbor config ({source}): engine.load_resample_max_s ({config.engine.load_resample_max_s} s) "
+            f"must be at least engine.load_resample_s ({config.engine.load_resample_s} s)"
         )
     if config.gateway.request_max_ms <= config.gateway.progress_interval_ms:
         raise ConfigError(

@@ -27,12 +27,24 @@ Until a rate has been measured the answer is "load" (nothing says otherwise),
 and the worker stops a load part-way when the bandwidth it sees says the rest
 would be slower than recomputing it (`keep_loading`). No engine imports here:
 the connector feeds the numbers in.
+
+A planner that recomputes learns nothing more about loads: one slow stretch (a
+disk busy with another job's writes) would otherwise keep every later prefix
+recomputed for the engine's life, however fast its tiers became. So when a load
+rate no sample has refreshed for ``resample_s`` says recompute, one stored prefix
+is loaded anyway, and its sample replaces the stale ones (at a bounded cost: the
+worker cuts that load short if the rest arrives slower than it recomputes); the
+other requests keep to the old rate meanwhile. A load that finds the rate still
+saying recompute doubles the wait for the next, up to ``resample_max_s``, so that
+an engine with a slow tier and few requests does not pay for one on each of them.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 LOAD_LATENCY_S = 0.002
@@ -107,6 +119,11 @@ class RateEstimate:
             self._seconds = self._seconds * self._keep + seconds
             self.samples += 1
 
+    def forget(self) -> None:
+        """Drop every sample: the rate is the prior's until the next (`samples` keeps counting)."""
+        with self._lock:
+            self._amount = self._seconds = 0.0
+
     @property
     def rate(self) -> float | None:
         """Amount per second; the prior (or None) until a sample came."""
@@ -121,9 +138,13 @@ class Decision:
     load: bool
     load_s: float | None
     recompute_s: float | None
+    remeasure: bool = False
+    """Loaded although the stale rate said recompute: to measure the load rate again."""
 
     @property
     def reason(self) -> str:
+        if self.remeasure:
+            return "the load rate went unmeasured past engine.load_resample_s: load, to measure it again"
         if self.load_s is None or self.recompute_s is None:
             return "no measured rate yet: load"
         verb = "load" if self.load else "recompute"
@@ -156,8 +177,30 @@ class LoadPlanner:
         chunk_tokens: int,
         load_prior_bytes_per_s: float | None = None,
         prefill_prior_flops_per_s: float | None = None,
+        resample_s: float | None = None,
+        resample_max_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``resample_s``: how long a load rate that says recompute is kept without a new
+        sample (None: for ever), doubled after each load that still says so up to
+        ``resample_max_s`` (None: ``resample_s``); ``clock``: monotonic seconds."""
         assert chunk_bytes > 0 and chunk_tokens > 0
+        if resample_s is not None and not resample_s > 0:
+            raise ValueError(f"resample_s must be > 0 s, got {resample_s}")
+        if resample_s is not None and resample_max_s is not None and resample_max_s < resample_s:
+            raise ValueError(f"resample_max_s ({resample_max_s} s) must be at least resample_s ({resample_s} s)")
+        self._resample_bounds_s = None if resample_s is None else (resample_s, resample_max_s or resample_s)
+        self._resample_wait_s = resample_s
+        """The wait before the next re-measurement: ``resample_s``, doubled while they find it slow."""
+        self._clock = clock
+        self._load_measured_at = clock()
+        """When the load rate last took a sample, or a load was chosen to take one."""
+        self._remeasuring = False
+        """A load was chosen to measure a stale rate: its sample replaces the rate."""
+        self._remeasured_rate = False
+        """The rate is a re-measurement's: the next choice says whether to back off."""
+        self.remeasured = 0
+        """Loads chosen to measure a stale rate again."""
         self.cost = cost
         self.chunk_bytes = chunk_bytes
         """Bytes one rank restores per chunk (ranks load in parallel)."""
@@ -170,8 +213,13 @@ class LoadPlanner:
     # -- learning ------------------------------------------------------------
 
     def observe_load(self, nbytes: float, seconds: float) -> None:
-        if nbytes >= LOAD_SAMPLE_BYTES_MIN:
+        if nbytes >= LOAD_SAMPLE_BYTES_MIN and seconds > 0:
+            if self._remeasuring:
+                self._remeasuring = False
+                self._remeasured_rate = True
+                self.load_rate.forget()  # Older than resample_s: this sample is the rate now.
             self.load_rate.add(nbytes, seconds)
+            self._load_measured_at = self._clock()
 
     def observe_prefill(self, flops: float, seconds: float) -> None:
         if flops >= PREFILL_SAMPLE_FLOPS_MIN:
@@ -198,9 +246,25 @@ class LoadPlanner:
         return tuple(self.cost.flops(a, b) / rate for a, b in itertools.pairwise(bounds))
 
     def choose(self, start: int, end: int, chunks: int) -> Decision:
-        """Load tokens ``start .. end`` (``chunks`` stored chunks, whole) or recompute them?"""
+        """Load tokens ``start .. end`` (``chunks`` stored chunks, whole) or recompute them?
+        A recompute that rests on a load rate unmeasured for ``resample_s`` is a load
+        instead, one per period (the module's docstring says why)."""
         decision = choose(self.load_s(chunks * self.chunk_bytes), self.recompute_s(start, end))
-        return decision
+        if self._resample_bounds_s is None or self._resample_wait_s is None:
+            return decision
+        if self._remeasured_rate:  # The first choice on a re-measured rate: back off, or start over.
+            self._remeasured_rate = False
+            least_s, most_s = self._resample_bounds_s
+            self._resample_wait_s = least_s if decision.load else min(2 * self._resample_wait_s, most_s)
+        if decision.load:
+            return decision
+        now = self._clock()
+        if now - self._load_measured_at < self._resample_wait_s:
+            return decision
+        self._load_measured_at = now  # The next one a period on, should this load never report.
+        self._remeasuring = True
+        self.remeasured += 1
+        return Decision(True, decision.load_s, decision.recompute_s, remeasure=True)
 
     def snapshot(self) -> dict[str, float]:
         return {
@@ -210,4 +274,5 @@ class LoadPlanner:
             "prefill_samples": self.prefill_rate.samples,
             "chose_load": self.chose_load,
             "chose_recompute": self.chose_recompute,
+            "load_remeasured": self.remeasured,
         }

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import simpy
 
 from kvharbor.cache.bandwidth import LOAD_LATENCY_S, LoadPlanner
+from kvharbor.config import EngineSection
 from kvharbor.hal.sim.channels import Channels
 from kvharbor.hal.sim.params import CardParams
 from kvharbor.sim.caches import LruCache, Policy, hit_tokens, make_cache, stored_blocks
@@ -42,6 +43,8 @@ from kvharbor.sim.cost import EngineCost
 from kvharbor.sim.errors import PlanInputError
 from kvharbor.sim.workload import Request
 
+DEFAULT_ENGINE = EngineSection()
+"""The connector's engine settings the planner is modelled with (its re-measurement of load rates)."""
 FILL_SAMPLES = 200
 """Fill and eviction samples a run records (at evenly spaced completions)."""
 
@@ -171,16 +174,19 @@ class _Fleet:
         self._next_engine = 0
         self._progress = progress
 
-    @staticmethod
-    def _planner(cost: EngineCost, block_tokens: int, block_bytes: int) -> LoadPlanner:
+    def _planner(self, cost: EngineCost, block_tokens: int, block_bytes: int) -> LoadPlanner:
         """As the connector makes it: a rank's bytes per chunk, the load bandwidth unknown
-        until a load is seen; the prefill rate is the engine's (the connector measures it
-        on its first prefill)."""
+        until a load is seen, measured again after ``engine.load_resample_s`` of simulated
+        time without one; the prefill rate is the engine's (the connector measures it on its
+        first prefill)."""
         return LoadPlanner(
             cost.prefill,
             chunk_bytes=block_bytes // cost.tensor_parallel,
             chunk_tokens=block_tokens,
             prefill_prior_flops_per_s=cost.prefill_flops_per_s,
+            resample_s=DEFAULT_ENGINE.load_resample_s,
+            resample_max_s=DEFAULT_ENGINE.load_resample_max_s,
+            clock=lambda: self.env.now,
         )
 
     # -- processes -----------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
 from typing import Any
 
@@ -101,6 +102,76 @@ def test_planner_prefers_a_fast_tier_and_avoids_a_slow_one() -> None:
     assert mid.choose(start, end, chunks_130k).load
 
 
+class Clock:
+    """Monotonic seconds that a test moves on."""
+
+    def __init__(self) -> None:
+        self.now_s = 1000.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def test_a_stale_slow_rate_is_measured_again_and_a_fast_tier_is_used_again() -> None:
+    clock = Clock()
+    p = LoadPlanner(LLAMA_8B, CHUNK_BYTES, CHUNK_TOKENS, resample_s=60.0, clock=clock)
+    p.observe_prefill(LLAMA_8B.flops(0, 32768), 1.22)
+    for _ in range(20):
+        p.observe_load(1 << 30, 2**30 / 1.2e9)  # A disk busy with another job: 1.2 GB/s.
+    assert not p.choose(0, 32768, 128).load
+    clock.now_s += 59.0
+    assert not p.choose(0, 32768, 128).load, "a rate younger than resample_s is trusted"
+    clock.now_s += 2.0
+    again = p.choose(0, 32768, 128)
+    assert again.load and again.remeasure and "engine.load_resample_s" in again.reason
+    assert not p.choose(0, 32768, 128).load, "one load measures it; the others keep to the old rate"
+    assert p.remeasured == 1
+    p.observe_load(4 << 30, 4 * 2**30 / 40e9)  # That load found the tier fast again: it is the rate now.
+    fast = p.choose(0, 32768, 128)
+    assert fast.load and not fast.remeasure and fast.load_s is not None and fast.load_s < 0.2
+    # Loads keep the rate fresh: no re-measurement while they come.
+    clock.now_s += 3600.0
+    p.observe_load(4 << 30, 4 * 2**30 / 40e9)
+    assert p.choose(0, 32768, 128).load and p.remeasured == 1
+
+
+def test_re_measurements_that_find_it_slow_back_off_to_resample_max() -> None:
+    clock = Clock()
+    p = LoadPlanner(LLAMA_8B, CHUNK_BYTES, CHUNK_TOKENS, resample_s=60.0, resample_max_s=200.0, clock=clock)
+    p.observe_prefill(LLAMA_8B.flops(0, 32768), 1.22)
+    p.observe_load(1 << 30, 2**30 / 1.2e9)
+    waits = []
+    for _ in range(4):
+        waited = 0.0
+        while not p.choose(0, 32768, 128).load:
+            clock.now_s += 10.0
+            waited += 10.0
+        waits.append(waited)
+        p.observe_load(1 << 30, 2**30 / 1.2e9)  # Still slow (the worker cut it short: a partial sample).
+    assert waits == [60.0, 120.0, 200.0, 200.0] and p.remeasured == 4
+    # A re-measurement that finds the tier fast starts the waits over.
+    clock.now_s += 200.0
+    assert p.choose(0, 32768, 128).remeasure
+    p.observe_load(4 << 30, 4 * 2**30 / 40e9)
+    assert p.choose(0, 32768, 128).load
+    p.observe_load(1 << 30, 2**30 / 1.2e9)  # Slow again, for a while: recomputed...
+    while p.load_s(128 * CHUNK_BYTES) < p.recompute_s(0, 32768):  # type: ignore[operator]
+        p.observe_load(1 << 30, 2**30 / 1.2e9)
+    clock.now_s += 60.0
+    assert p.choose(0, 32768, 128).remeasure, "...and measured again after resample_s, not resample_max_s"
+
+
+def test_without_resample_s_a_rate_is_kept_for_ever() -> None:
+    clock = Clock()
+    p = LoadPlanner(LLAMA_8B, CHUNK_BYTES, CHUNK_TOKENS, clock=clock)
+    p.observe_prefill(LLAMA_8B.flops(0, 32768), 1.22)
+    p.observe_load(1 << 30, 2**30 / 1.2e9)
+    clock.now_s += 1e6
+    assert not p.choose(0, 32768, 128).load and p.remeasured == 0
+    with pytest.raises(ValueError, match="resample_s must be > 0"):
+        LoadPlanner(LLAMA_8B, CHUNK_BYTES, CHUNK_TOKENS, resample_s=0.0)
+
+
 def test_small_samples_do_not_move_the_rates() -> None:
     p = planner()
     p.observe_load(1 << 20, 1.0)  # 1 MiB: latency, not bandwidth
@@ -181,6 +252,23 @@ def test_scheduler_recomputes_when_the_measured_tier_is_slower() -> None:
     # A local (GPU) hit shrinks what is left to load, not the choice's honesty.
     assert side.get_num_new_matched_tokens(req, 32768 - 256) == (0, False)
     side.request_finished(req)
+
+
+def test_scheduler_restores_again_once_a_slow_rate_went_unmeasured(caplog: pytest.LogCaptureFixture) -> None:
+    pytest.importorskip("vllm")
+    clock = Clock()
+    side = scheduler(hits=200, plan=LoadPlanner(LLAMA_8B, CHUNK_BYTES, CHUNK_TOKENS, resample_s=60.0, clock=clock))
+    side.observe(
+        stats(
+            loaded_bytes=2**30, load_seconds=2**30 / 1.2e9, prefill_flops=LLAMA_8B.flops(0, 32768), prefill_seconds=1.22
+        )
+    )
+    assert side.get_num_new_matched_tokens(request(32768 + 5, "a"), 0) == (0, False)
+    clock.now_s += 61.0
+    with caplog.at_level(logging.INFO, logger="kvharbor"):
+        assert side.get_num_new_matched_tokens(request(32768 + 5, "b"), 0) == (32768, False)
+    said = [r.getMessage() for r in caplog.records if "to measure it again" in r.getMessage()]
+    assert len(said) == 1 and "engine.load_resample_s" in said[0]
 
 
 def test_scheduler_loads_from_a_fast_tier_and_plans_chunk_estimates() -> None:

@@ -123,6 +123,16 @@ def _tiers(*tiers: dict[str, Any]) -> dict[str, Any]:
         pytest.param({"gateway": {"linger_s": -1}}, ["gateway.linger_s", "greater than or equal"], id="linger < 0"),
         pytest.param({"gateway": {"linger_s": "abc"}}, ["gateway.linger_s", "'abc'"], id="linger not a number"),
         pytest.param({"gateway": {"linger_s": "nan"}}, ["gateway.linger_s", "finite"], id="linger nan"),
+        pytest.param(
+            {"engine": {"load_resample_s": 600, "load_resample_max_s": 60}},
+            ["engine.load_resample_max_s", "engine.load_resample_s"],
+            id="resample max below its start",
+        ),
+        pytest.param(
+            {"gateway": {"request_max_ms": 500, "progress_interval_ms": 500, "request_timeout_ms": 1000}},
+            ["gateway.request_max_ms", "gateway.progress_interval_ms"],
+            id="request max not above the progress interval",
+        ),
         pytest.param({"gateway": {"cpus": [0, 0]}}, ["gateway.cpus", "names a CPU twice"], id="a CPU twice"),
         pytest.param({"gateway": {"cpus": [-1]}}, ["gateway.cpus", "greater than or equal to 0"], id="CPU < 0"),
         pytest.param({"gateway": {"cpus": []}}, ["gateway.cpus", "at least 1"], id="no CPUs"),

@@ -77,7 +77,11 @@ class KVHarborConnector(KVConnectorBase_V1):
                 CacheLink(self.config, name + " verify", connect=connect), self.layout.digests, self.layout.chunk_bytes
             )
             self._scheduler = SchedulerSide(
-                self.layout, self.config, link, load_planner(vllm_config, self.layout), verifier
+                self.layout,
+                self.config,
+                link,
+                load_planner(vllm_config, self.layout, self.config.engine),
+                verifier,
             )
             link.start()  # Connect now, as the workers do: not in the first request's path.
             verifier.link.start()  # Likewise: a first read-back must not wait for a connection.

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvharbor.cache.bandwidth import LoadPlanner, PrefillCost
+from kvharbor.config import EngineSection
 from kvharbor.connector.vllm.layout import VllmLayout
 from kvharbor.telemetry.log import get_logger
 
@@ -37,10 +38,13 @@ def chunk_bytes_per_rank(layout: VllmLayout) -> int:
     return sum(g.page_bytes * len(g.layer_names) for g in layout.groups) * layout.blocks_per_chunk
 
 
-def load_planner(vllm_config: Any, layout: VllmLayout) -> LoadPlanner | None:
+def load_planner(vllm_config: Any, layout: VllmLayout, engine: EngineSection) -> LoadPlanner | None:
+    """The load-or-recompute planner for this engine's model, or None where its shape is unreadable."""
     cost = prefill_cost(vllm_config)
     nbytes = chunk_bytes_per_rank(layout)
     if cost is None or nbytes <= 0:
         _log.info("kvharbor: model shape unreadable; every stored prefix is loaded (no load-or-recompute choice)")
         return None
-    return LoadPlanner(cost, nbytes, layout.chunk_size)
+    return LoadPlanner(
+        cost, nbytes, layout.chunk_size, resample_s=engine.load_resample_s, resample_max_s=engine.load_resample_max_s
+    )

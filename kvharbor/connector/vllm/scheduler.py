@@ -342,6 +342,8 @@ class SchedulerSide:
             return True
         size = self.layout.chunk_size
         decision = planner.choose(start, end, -(-end // size) - start // size)
+        if decision.remeasure:
+            self._once.say("remeasure", f"a stored prefix is restored: {decision.reason} (said once)", logging.INFO)
         if decision.load:
             return True
         if req_id not in self._chose_recompute:
