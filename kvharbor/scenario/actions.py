@@ -110,6 +110,8 @@ class WaitLog(Model):
 
 
 class WaitStatus(StatusField):
+    """A `status` expectation's field and test, waited for until it holds."""
+
     timeout_s: float = Field(30.0, gt=0, le=600)
 
 
