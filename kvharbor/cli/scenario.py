@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from kvharbor.cli import Subparsers
@@ -95,7 +96,9 @@ def run_fuzz(args: argparse.Namespace) -> int:
         raise ValueError(f"--runs must be > 0 (got {args.runs})")
     if args.steps <= 0:
         raise ValueError(f"--steps must be > 0 (got {args.steps})")
-    report = campaign(args.runs, args.seed, args.steps, Path(args.save) if args.save else None, echo=not args.json)
+    # With --json, stdout is the report alone; progress and failures go to stderr.
+    out = sys.stderr if args.json else sys.stdout
+    report = campaign(args.runs, args.seed, args.steps, Path(args.save) if args.save else None, out)
     if args.json:
         print(report.to_json())
     return EXIT_FAILED if report.failures else 0

@@ -42,6 +42,10 @@ from kvharbor.ops.disk import locate_on_disk, read_disk
 
 REGISTRATION_LINE = re.compile(r"kvharbor: (\d+) (?:GPU )?cache tensors registered \(rank (\d+)")
 """The worker's line once its KV caches are registered (`kvharbor.connector.vllm.worker`)."""
+OFF_LINE = re.compile(r"kvharbor: external KV cache turned off on this rank: (.*?)\. The engine keeps serving")
+"""The restart rule's line (`kvharbor.connector.link.say_off`). A vLLM worker registers its
+tensors before it reaches the gateway: a registration followed by this line is a connector
+that started and then turned the cache off (no gateway answered, or it went away)."""
 ENGINE_LOG_BYTES_MAX = 256 * 2**20
 """The most of an engine log read (its end: the latest start is what counts)."""
 RANK_FIELDS = frozenset({"tp_rank", "pp_rank"})
@@ -269,6 +273,15 @@ def check_engine_log(path: Path) -> Finding:
             "engine (is KVHARBOR=1 set, or --kv-transfer-config given?), or its log level hides INFO",
         )
     ranks = sorted({int(m.group(2)) for m in lines})
+    # Only after the last registration: an engine restarted after an off line is on again.
+    off = OFF_LINE.search(text, lines[-1].end())
+    if off is not None:
+        return Finding(
+            "engine_log",
+            Verdict.PROBLEM,
+            f"{path}: the connector registered its cache tensors (ranks {ranks}), then turned the external cache "
+            f"off: {off.group(1)}; restart the gateway, then the engine",
+        )
     return Finding("engine_log", Verdict.OK, f"{path}: the connector registered its cache tensors (ranks {ranks})")
 
 

@@ -15,11 +15,14 @@ from typing import Any, Literal
 from pydantic import Field
 
 from kvharbor.scenario.damage import damage_file_objects
+from kvharbor.scenario.expectations import StatusField, judge_status, status_document
 from kvharbor.scenario.schema import EngineSetup, Model
 from kvharbor.scenario.world import SendResult, World
 
 LOG_POLL_S = 0.02
 """How often `wait_log` reads the log again: a log line has no event to wait on across processes."""
+STATUS_POLL_S = 0.05
+"""How often `wait_status` asks the gateway again (each time a new client connection)."""
 
 
 class Requirement:
@@ -103,6 +106,12 @@ class FillShm(Model):
 class WaitLog(Model):
     source: Literal["gateway", "engine"]
     contains: str = Field(min_length=1)
+    timeout_s: float = Field(30.0, gt=0, le=600)
+
+
+class WaitStatus(StatusField):
+    """A `status` expectation's field and test, waited for until it holds."""
+
     timeout_s: float = Field(30.0, gt=0, le=600)
 
 
@@ -202,6 +211,17 @@ def _wait_log(world: World, p: WaitLog) -> str:
     return f"{p.source} log said {p.contains!r}"
 
 
+def _wait_status(world: World, p: WaitStatus) -> str:
+    """Wait for the gateway's status to say it (a vLLM engine's saves are committed by a
+    background thread after the response: what the next request's lookup finds), bounded."""
+    deadline = time.monotonic() + p.timeout_s
+    while not (check := judge_status(status_document(world), p)).passed:
+        if time.monotonic() > deadline:
+            raise ActionFailed(f"{check.what}: not within {p.timeout_s} s (last: {check.found})")
+        time.sleep(STATUS_POLL_S)
+    return f"{check.what}: {check.found}"
+
+
 class ActionFailed(RuntimeError):
     """An action did not do what the scenario said it would (its step fails)."""
 
@@ -233,5 +253,6 @@ ACTIONS: dict[str, ActionSpec] = {
     "damage_files":   ActionSpec(Damage, _damage_files, (R.FILES,), "flip a byte in stored file objects"),
     "fill_shm":       ActionSpec(FillShm, _fill_shm, (R.SHM,), "take room on the private shm tmpfs"),
     "wait_log":       ActionSpec(WaitLog, _wait_log, (), "wait for a log line (bounded by timeout_s)"),
+    "wait_status":    ActionSpec(WaitStatus, _wait_status, (R.GATEWAY,), "wait for a status field (bounded)"),
 }
 # fmt: on

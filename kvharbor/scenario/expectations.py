@@ -114,6 +114,9 @@ class Expect(Model):
     cache_off: bool | None = None
     """The external cache is off on the engine's rank."""
     gateway_running: bool | None = None
+    same_output: Literal[True] | None = None
+    """Every request of the last send whose prompt an earlier send sent generated the text it
+    generated then (greedy decoding: a KV restored wrong changes it). The vllm driver only."""
     log: list[LogLine] | None = None
     status: list[StatusField] | None = None
     doctor: list[DoctorFinding] | None = None
@@ -154,6 +157,8 @@ def judge(world: World, expect: Expect) -> list[Check]:
         checks.append(
             Check(f"gateway_running is {expect.gateway_running}", running == expect.gateway_running, str(running))
         )
+    if expect.same_output:
+        checks.append(_judge_same_output(world))
     for line in expect.log or []:
         text = world.log(line.source)
         count = sum(line.contains in row for row in text.splitlines())
@@ -167,7 +172,7 @@ def judge(world: World, expect: Expect) -> list[Check]:
     if expect.status:
         document = status_document(world)
         for item in expect.status:
-            checks.append(_judge_status(document, item))
+            checks.append(judge_status(document, item))
     for finding in expect.doctor or []:
         checks.append(_judge_doctor(world, finding))
     if expect.metric:
@@ -241,7 +246,24 @@ def resolve(document: Any, path: str) -> Any:
     return node
 
 
-def _judge_status(document: Any, item: StatusField) -> Check:
+def _judge_same_output(world: World) -> Check:
+    what = "same output as each prompt's first send"
+    if not world.sends:
+        return Check(what, False, "nothing sent")
+    last = len(world.sends) - 1
+    compared = [
+        (request.name, request.output == first[1])
+        for request in world.sends[-1].requests
+        if (first := world.first_outputs.get((request.name, request.prompt_tokens))) is not None and first[0] < last
+    ]
+    if not compared:
+        return Check(what, False, "no request of the last send repeats a prompt an earlier send generated from")
+    differ = [name for name, same in compared if not same]
+    found = f"differs: {', '.join(differ)}" if differ else f"{len(compared)} request(s) compared"
+    return Check(what, not differ, found)
+
+
+def judge_status(document: Any, item: StatusField) -> Check:
     what = f"status {item.field} " + (
         f"== {item.equals!r}"
         if item.equals is not None

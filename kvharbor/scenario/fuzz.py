@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TextIO
 
 import yaml
 
@@ -31,6 +33,8 @@ from kvharbor.scenario.runner import ScenarioResult, run_scenario
 from kvharbor.scenario.schema import CardSetup, Model, Scenario, Setup, Step
 from kvharbor.scenario.timeline import check_timeline
 
+PROGRESS_RUNS = 50
+"""A campaign says how far it got every this many runs (a long one runs for an hour)."""
 SHRINK_TRIES = 3
 """Runs of a candidate timeline before a failure counts as gone (faults race real time)."""
 PROMPTS = ("alpha", "beta", "gamma", "delta")
@@ -218,7 +222,11 @@ class CampaignReport:
         )  # fmt: skip
 
 
-def campaign(runs: int, seed: int, actions: int, save: Path | None = None, echo: bool = True) -> CampaignReport:
+def campaign(
+    runs: int, seed: int, actions: int, save: Path | None = None, out: TextIO | None = sys.stdout
+) -> CampaignReport:
+    """Run the campaign; its progress, each failure (shrunk) and the summary go to ``out``
+    (None: nowhere; the CLI's ``--json`` sends them to stderr, the report to stdout)."""
     started = time.monotonic()
     counts: dict[str, int] = {}
     failures: list[Failure] = []
@@ -228,23 +236,27 @@ def campaign(runs: int, seed: int, actions: int, save: Path | None = None, echo:
         for step in scenario.steps:
             counts[step.kind] = counts.get(step.kind, 0) + 1
         result = run_scenario(scenario)
+        if (run + 1) % PROGRESS_RUNS == 0:
+            rate = (run + 1) / (time.monotonic() - started) * 60
+            _say(out, f"run {run + 1} of {runs}: {len(failures)} failing so far, {rate:.1f} runs/minute")
         if result.passed:
             continue
         same = failed_checks(result)
         failed = sorted(same)
-        if echo:
-            print(f"run {run} (seed {run_seed}) failed: {failed}; re-running to confirm, then shrinking", flush=True)
+        _say(out, f"run {run} (seed {run_seed}) failed: {failed}; re-running to confirm, then shrinking")
         reproduced = _fails(scenario, SHRINK_TRIES, same)
         small = shrink(scenario, same) if reproduced else scenario
         failures.append(Failure(run_seed, reproduced, len(small.steps), failed))
-        if echo:
-            print(f"run {run} (seed {run_seed}) FAILED{'' if reproduced else ' once (not reproduced)'}: {failed}")
-            print(to_yaml(small))
+        _say(out, f"run {run} (seed {run_seed}) FAILED{'' if reproduced else ' once (not reproduced)'}: {failed}")
+        _say(out, to_yaml(small))
         if save is not None and len(failures) == 1:
             save.write_text(to_yaml(small))
     report = CampaignReport(runs, seed, time.monotonic() - started, dict(sorted(counts.items())), failures)
-    if echo:
-        print(
-            f"{runs} runs, {len(failures)} failing, {report.runs_per_minute:.1f} runs/minute; actions: {report.actions}"
-        )
+    rate = report.runs_per_minute
+    _say(out, f"{runs} runs, {len(failures)} failing, {rate:.1f} runs/minute; actions: {report.actions}")
     return report
+
+
+def _say(out: TextIO | None, line: str) -> None:
+    if out is not None:
+        print(line, file=out, flush=True)

@@ -16,8 +16,9 @@ Every step is a mapping with one key: an action's name (`kvharbor.scenario.actio
 or ``expect`` (`kvharbor.scenario.expectations`). `parse_scenario` refuses, before
 anything runs, an unknown key anywhere, an unknown action, an impossible timeline
 (an action before the engine starts, a target brought up that was never down, a
-gateway killed that is not running) and a timeline without expectations; the
-message names the file, the line and the key.
+gateway killed that is not running), what the vllm driver cannot do (a layout
+stand-in such as ``kv_dtype``, ``same_output`` elsewhere) and a timeline without
+expectations; the message names the file, the line and the key.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kvharbor.scenario.marks import MarkedDict, line_of, load_marked
 
@@ -74,6 +75,24 @@ class EngineSetup(Model):
     """The connector's release as it tells the gateway (None: this one): another release's engine."""
 
 
+ENGINE_CONFIG_FIELDS = ("chunk_size", "key_namespace", "require_cache_salt")
+"""The `EngineSetup` fields that are the connector's own config (its ``engine`` section): all a
+real vLLM engine takes from a scenario. The others describe the light driver's synthetic layout;
+the vllm driver runs the tiny model as it is (float32, TP 1), so it refuses them."""
+
+
+def vllm_ignores(fields: set[str]) -> list[str]:
+    """Of ``fields`` (engine settings a scenario sets), those the vllm driver cannot honour."""
+    return sorted(fields - set(ENGINE_CONFIG_FIELDS))
+
+
+def vllm_refusal(fields: list[str]) -> str:
+    return (
+        f"the vllm driver cannot set {', '.join(fields)} (it runs the tiny model as built: float32, TP 1); "
+        f"it takes {', '.join(ENGINE_CONFIG_FIELDS)}"
+    )
+
+
 class Setup(Model):
     driver: Literal["light", "vllm"] = "light"
     seed: int = 0
@@ -89,6 +108,13 @@ class Setup(Model):
     ring_mb: int = Field(16, gt=0)
     ring_mb_min: int = Field(4, gt=0)
     engine: EngineSetup = EngineSetup()
+
+    @model_validator(mode="after")
+    def _vllm_takes_config_only(self) -> Setup:
+        ignored = vllm_ignores(self.engine.model_fields_set) if self.driver == "vllm" else []
+        if ignored:
+            raise ValueError(f"engine: {vllm_refusal(ignored)}")
+        return self
 
 
 @dataclass(frozen=True, slots=True)

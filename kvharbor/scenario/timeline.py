@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from kvharbor.scenario.actions import ACTIONS, Requirement, StartGateway
+from kvharbor.scenario.actions import ACTIONS, EngineChange, Requirement, StartGateway
+from kvharbor.scenario.expectations import Expect
+from kvharbor.scenario.schema import vllm_ignores, vllm_refusal
 
 if TYPE_CHECKING:
     from kvharbor.scenario.schema import Scenario, Step
@@ -39,7 +41,13 @@ def check_timeline(scenario: Scenario) -> tuple[Step | None, str] | None:
     state = TimelineState()
     for step in scenario.steps:
         if step.kind == "expect":
+            if isinstance(step.params, Expect) and step.params.same_output and setup.driver != "vllm":
+                return step, "same_output needs the vllm driver (the light engine generates no text)"
             continue
+        if isinstance(step.params, EngineChange) and setup.driver == "vllm":
+            ignored = vllm_ignores({k for k, v in step.params.model_dump().items() if v is not None})
+            if ignored:
+                return step, vllm_refusal(ignored)
         spec = ACTIONS[step.kind]
         for need in spec.requires:
             if need in static:

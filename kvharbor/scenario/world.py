@@ -26,7 +26,7 @@ from kvharbor.scenario.gateway import GatewayProcess
 
 if TYPE_CHECKING:
     from kvharbor.scenario.drivers.vllm import VllmEngine
-from kvharbor.scenario.schema import EngineSetup, Setup
+from kvharbor.scenario.schema import ENGINE_CONFIG_FIELDS, EngineSetup, Setup
 from kvharbor.telemetry.log import get_logger
 
 _log = get_logger("kvharbor.scenario")
@@ -50,11 +50,7 @@ class SendResult:
 
 def _engine_section(setup: EngineSetup) -> dict[str, Any]:
     """The config's engine section for an engine of ``setup``."""
-    return {
-        "chunk_size": setup.chunk_size,
-        "key_namespace": setup.key_namespace,
-        "require_cache_salt": setup.require_cache_salt,
-    }
+    return {name: getattr(setup, name) for name in ENGINE_CONFIG_FIELDS}
 
 
 class _Capture(logging.Handler):
@@ -86,6 +82,8 @@ class World:
         self.engine_setup = setup.engine
         self.engine_starts = 0
         self.sends: list[SendResult] = []
+        self.first_outputs: dict[tuple[str, int], tuple[int, str]] = {}
+        """(prompt name, tokens) -> (the send that first sent it, the text the engine generated then)."""
         self.last_refused_start = False
         self._capture = _Capture(self.engine_log)
         logging.getLogger("kvharbor").addHandler(self._capture)
@@ -125,7 +123,10 @@ class World:
     def send(self, name: str, tokens: int, salt: str | None) -> RequestOutcome:
         if self.engine is None:
             raise RuntimeError("scenario: send before the engine started")
-        return self.engine.request(name, self.prompt(name, tokens), salt)
+        outcome = self.engine.request(name, self.prompt(name, tokens), salt)
+        if outcome.output is not None:
+            self.first_outputs.setdefault((name, tokens), (len(self.sends), outcome.output))
+        return outcome
 
     def log(self, source: str) -> str:
         """The gateway's log, or the engine's (its kvharbor lines)."""

@@ -97,6 +97,17 @@ def test_doctor_names_a_short_prompt_a_salt_and_the_engine_log(served: tuple[Lab
     )
     seen = kvharbor_cmd("doctor", "--config", str(config), "--prompt-file", stored, "--engine-log", str(log))
     assert seen.returncode == 0 and "ok       engine_log:" in seen.stdout and "(ranks [0])" in seen.stdout
+    with log.open("a") as file:
+        file.write(
+            "ERROR kvharbor: external KV cache turned off on this rank: gateway unavailable: no socket. "
+            "The engine keeps serving without it; restart the engine\n"
+        )
+    off = kvharbor_cmd("doctor", "--config", str(config), "--prompt-file", stored, "--engine-log", str(log))
+    assert off.returncode == 1 and "then turned the external cache off: gateway unavailable: no socket;" in off.stdout
+    with log.open("a") as file:
+        file.write("(VllmWorker pid=2) INFO kvharbor: 2 cache tensors registered (rank 0, page 4096 B)\n")
+    again = kvharbor_cmd("doctor", "--config", str(config), "--prompt-file", stored, "--engine-log", str(log))
+    assert again.returncode == 0, "an engine started again after the off line registered: on again"
     log.write_text("INFO starting\nINFO no connector here\n")
     unseen = kvharbor_cmd("doctor", "--config", str(config), "--prompt-file", stored, "--engine-log", str(log))
     assert unseen.returncode == 1 and "has no 'kvharbor: N cache tensors registered' line" in unseen.stdout

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from kvharbor.scenario.fuzz import draw_timeline, scenario_of, to_yaml
@@ -23,5 +25,17 @@ def test_timelines_are_deterministic_per_seed_and_saved_files_parse() -> None:
 def test_a_fixed_campaign_finds_no_invariant_violation() -> None:
     from kvharbor.scenario.fuzz import campaign
 
-    report = campaign(CI_RUNS, seed=20261201, actions=6, echo=True)
+    report = campaign(CI_RUNS, seed=20261201, actions=6)
     assert not report.failures, report.to_json()
+
+
+def test_the_cli_with_json_writes_the_report_alone_to_stdout_and_the_rest_to_stderr(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from kvharbor.cli import main
+
+    assert main(["scenario", "fuzz", "--runs", "1", "--seed", "3", "--steps", "2", "--json"]) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert report["runs"] == 1 and report["failures"] == [] and report["actions"]["send"] >= 1
+    assert captured.err.splitlines()[-1].startswith("1 runs, 0 failing, ")

@@ -48,6 +48,24 @@ HEAD = "name: bad\nsymptom: s\nreplays: r\n"
             "x.yaml:5: steps[0].fill_card: needs a card tier",
         ),
         ("steps:\n  - expect: {}\n", "x.yaml:5: steps[0].expect: Value error, an expect step needs at least one of"),
+        (
+            "steps:\n  - start_gateway: {}\n  - start_engine: {}\n  - send: {prompts: [{name: a, tokens: 10}]}\n"
+            "  - expect: {same_output: true}\n",
+            "x.yaml:8: steps[3].expect: same_output needs the vllm driver",
+        ),
+        (
+            "steps:\n  - wait_status: {field: store.tiers.ram.keys, range: {min: 1}}\n  - expect: {cache_off: true}\n",
+            "x.yaml:5: steps[0].wait_status: the gateway is not running here",
+        ),
+        (
+            "setup: {driver: vllm, engine: {kv_dtype: float16}}\nsteps:\n  - expect: {cache_off: true}\n",
+            "x.yaml:4: setup: Value error, engine: the vllm driver cannot set kv_dtype",
+        ),
+        (
+            "setup: {driver: vllm}\nsteps:\n  - start_gateway: {}\n  - start_engine: {}\n"
+            "  - restart_engine: {release: 0.0.1, chunk_size: 512}\n  - expect: {cache_off: true}\n",
+            "x.yaml:8: steps[2].restart_engine: the vllm driver cannot set release",
+        ),
         ("steps: [\n", "x.yaml:"),
     ],
 )

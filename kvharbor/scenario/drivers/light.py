@@ -49,6 +49,8 @@ class RequestOutcome:
     wrong_bytes: int
     """Bytes handed to the engine that differ from what was stored under their key."""
     completed: bool
+    output: str | None = None
+    """The text the engine generated (greedy); None from an engine that generates none (this one)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,9 +4,13 @@ For the scenarios about the engine itself (a restart restoring, the gateway gone
 salts, a layout change): each start is a new server process (15-40 s on two
 cores), pointed at the scenario's gateway through ``KVHARBOR_CONFIG`` (service
 mode: the engine never starts a gateway of its own). ``cached_tokens`` is vLLM's
-own ``usage.prompt_tokens_details``. The bytes vLLM loads are not observable
+own ``usage.prompt_tokens_details``, with vLLM's prefix cache off: every cached
+token came from kvharbor, as with the light driver, so one process shows a hit
+(or a salt's miss) without a restart. The bytes vLLM loads are not observable
 from outside the engine: there the connector's own checks (checksums, keys,
-read-back) stand, and `RequestOutcome.wrong_bytes` is 0 by construction.
+read-back) stand, `RequestOutcome.wrong_bytes` is 0 by construction, and the
+greedy output (`RequestOutcome.output`) is what a scenario compares: KV restored
+wrong would change it.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from kvharbor.scenario.schema import EngineSetup
 
 VLLM_BLOCK_TOKENS = 128
 """vLLM's block size on the CPU backend."""
+OUTPUT_TOKENS = 8
+"""Tokens generated per request (greedy): enough that a wrong restored KV shows in the text."""
 OFF_LINE = "external KV cache turned off on this rank"
 """The restart rule's line (`kvharbor.connector.link.say_off`), in the engine's log."""
 
@@ -46,7 +52,7 @@ class VllmEngine:
             TMPDIR=str(tmp), HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", PYTHONHASHSEED="0",
             KVHARBOR="1", KVHARBOR_CONFIG=str(config_path),
         )  # fmt: skip
-        args = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "4096"]
+        args = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "4096", "--no-enable-prefix-caching"]
         self.log_path = directory / f"{name}.log"
         self.server = VllmServer(tiny_model(), self.log_path, env, name="tiny", args=args, cwd=directory)
         try:
@@ -67,8 +73,8 @@ class VllmEngine:
         n = len(token_ids)
         chunk = self.setup.chunk_size
         bound = min(n // chunk * chunk, (n - 1) // VLLM_BLOCK_TOKENS * VLLM_BLOCK_TOKENS)
-        done = self.server.complete(list(token_ids), max_tokens=2, salt=salt)
-        return RequestOutcome(name, n, done.cached_tokens, bound, done.cached_tokens, 0, completed=True)
+        done = self.server.complete(list(token_ids), max_tokens=OUTPUT_TOKENS, salt=salt)
+        return RequestOutcome(name, n, done.cached_tokens, bound, done.cached_tokens, 0, True, done.text)
 
     def close(self) -> None:
         self.server.stop()
