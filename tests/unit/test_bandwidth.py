@@ -16,6 +16,7 @@ from kvharbor.cache.bandwidth import (
     choose,
     keep_loading,
 )
+from tests.support.clock import Clock
 
 LLAMA_8B = PrefillCost.transformer(hidden=4096, layers=32, heads=32, kv_heads=8, head_size=128, intermediate=14336)
 CHUNK_TOKENS = 256
@@ -100,16 +101,6 @@ def test_planner_prefers_a_fast_tier_and_avoids_a_slow_one() -> None:
     mid.observe_load(1 << 30, 2**30 / 3e9)
     assert not mid.choose(0, 32768, 128).load
     assert mid.choose(start, end, chunks_130k).load
-
-
-class Clock:
-    """Monotonic seconds that a test moves on."""
-
-    def __init__(self) -> None:
-        self.now_s = 1000.0
-
-    def __call__(self) -> float:
-        return self.now_s
 
 
 def test_a_stale_slow_rate_is_measured_again_and_a_fast_tier_is_used_again() -> None:

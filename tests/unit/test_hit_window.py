@@ -5,14 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvharbor.telemetry.window import RecentTokens
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now_s = 1000.0
-
-    def __call__(self) -> float:
-        return self.now_s
+from tests.support.clock import Clock
 
 
 def test_the_recent_window_keeps_the_last_window_s() -> None:
