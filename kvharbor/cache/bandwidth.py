@@ -41,6 +41,7 @@ an engine with a slow tier and few requests does not pay for one on each of them
 
 from __future__ import annotations
 
+import enum
 import itertools
 import threading
 import time
@@ -133,6 +134,16 @@ class RateEstimate:
             return self._amount / self._seconds
 
 
+class _Remeasure(enum.Enum):
+    """Where a re-measurement of a stale load rate stands."""
+
+    NONE = enum.auto()
+    AWAITING_SAMPLE = enum.auto()
+    """A load was chosen to measure the rate: its sample replaces the stale one."""
+    SAMPLED = enum.auto()
+    """The rate is that sample's: the next choice says whether to back off."""
+
+
 @dataclass(frozen=True, slots=True)
 class Decision:
     load: bool
@@ -190,15 +201,12 @@ class LoadPlanner:
         if resample_s is not None and resample_max_s is not None and resample_max_s < resample_s:
             raise ValueError(f"resample_max_s ({resample_max_s} s) must be at least resample_s ({resample_s} s)")
         self._resample_bounds_s = None if resample_s is None else (resample_s, resample_max_s or resample_s)
-        self._resample_wait_s = resample_s
+        self._resample_wait_s = resample_s or 0.0
         """The wait before the next re-measurement: ``resample_s``, doubled while they find it slow."""
         self._clock = clock
         self._load_measured_at = clock()
         """When the load rate last took a sample, or a load was chosen to take one."""
-        self._remeasuring = False
-        """A load was chosen to measure a stale rate: its sample replaces the rate."""
-        self._remeasured_rate = False
-        """The rate is a re-measurement's: the next choice says whether to back off."""
+        self._remeasure = _Remeasure.NONE
         self.remeasured = 0
         """Loads chosen to measure a stale rate again."""
         self.cost = cost
@@ -214,9 +222,8 @@ class LoadPlanner:
 
     def observe_load(self, nbytes: float, seconds: float) -> None:
         if nbytes >= LOAD_SAMPLE_BYTES_MIN and seconds > 0:
-            if self._remeasuring:
-                self._remeasuring = False
-                self._remeasured_rate = True
+            if self._remeasure is _Remeasure.AWAITING_SAMPLE:
+                self._remeasure = _Remeasure.SAMPLED
                 self.load_rate.forget()  # Older than resample_s: this sample is the rate now.
             self.load_rate.add(nbytes, seconds)
             self._load_measured_at = self._clock()
@@ -250,11 +257,11 @@ class LoadPlanner:
         A recompute that rests on a load rate unmeasured for ``resample_s`` is a load
         instead, one per period (the module's docstring says why)."""
         decision = choose(self.load_s(chunks * self.chunk_bytes), self.recompute_s(start, end))
-        if self._resample_bounds_s is None or self._resample_wait_s is None:
+        if self._resample_bounds_s is None:
             return decision
-        if self._remeasured_rate:  # The first choice on a re-measured rate: back off, or start over.
-            self._remeasured_rate = False
-            least_s, most_s = self._resample_bounds_s
+        least_s, most_s = self._resample_bounds_s
+        if self._remeasure is _Remeasure.SAMPLED:  # The first choice on a re-measured rate: back off, or start over.
+            self._remeasure = _Remeasure.NONE
             self._resample_wait_s = least_s if decision.load else min(2 * self._resample_wait_s, most_s)
         if decision.load:
             return decision
@@ -262,7 +269,7 @@ class LoadPlanner:
         if now - self._load_measured_at < self._resample_wait_s:
             return decision
         self._load_measured_at = now  # The next one a period on, should this load never report.
-        self._remeasuring = True
+        self._remeasure = _Remeasure.AWAITING_SAMPLE
         self.remeasured += 1
         return Decision(True, decision.load_s, decision.recompute_s, remeasure=True)
 

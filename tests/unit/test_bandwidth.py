@@ -258,6 +258,10 @@ def test_scheduler_restores_again_once_a_slow_rate_went_unmeasured(caplog: pytes
     clock.now_s += 61.0
     with caplog.at_level(logging.INFO, logger="kvharbor"):
         assert side.get_num_new_matched_tokens(request(32768 + 5, "b"), 0) == (32768, False)
+    # vLLM asks again for a request it could not schedule yet: the re-measuring one still loads,
+    # another request keeps to the stale rate until the sample comes.
+    assert side.get_num_new_matched_tokens(request(32768 + 5, "b"), 0) == (32768, False)
+    assert side.get_num_new_matched_tokens(request(32768 + 5, "c"), 0) == (0, False)
     said = [r.getMessage() for r in caplog.records if "to measure it again" in r.getMessage()]
     assert len(said) == 1 and "engine.load_resample_s" in said[0]
 

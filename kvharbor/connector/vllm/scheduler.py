@@ -107,6 +107,8 @@ class SchedulerSide:
         self._off_sent = False
         """`_off_reason` went to the workers in a step's metadata (once is enough)."""
         self._chose_recompute: set[str] = set()
+        self._remeasuring: set[str] = set()
+        """Requests whose load re-measures a stale rate: they load however often vLLM asks."""
         self.counters = SchedulerCounters()
         self._requests: dict[str, _Request] = {}
         self._skipped: set[str] = set()
@@ -313,6 +315,7 @@ class SchedulerSide:
             state.verification.settle(float("inf"))  # Aborted while read back: stop there.
         self._skipped.discard(request.request_id)
         self._chose_recompute.discard(request.request_id)
+        self._remeasuring.discard(request.request_id)
         return False, None
 
     def close(self) -> None:
@@ -333,16 +336,18 @@ class SchedulerSide:
     # -- internals ---------------------------------------------------------------
 
     def _worth_loading(self, req_id: str, start: int, end: int) -> bool:
-        """Load tokens ``start .. end`` rather than recompute them? (No side effects
-        beyond counting a request once: vLLM may ask again.)"""
+        """Load tokens ``start .. end`` rather than recompute them? vLLM may ask again for a
+        request it could not schedule: a request counts once, and one chosen to re-measure
+        the load rate keeps that answer (the planner starts one re-measurement a period)."""
         if self._off_reason:
             return False
         planner = self.planner
-        if planner is None:
+        if planner is None or req_id in self._remeasuring:
             return True
         size = self.layout.chunk_size
         decision = planner.choose(start, end, -(-end // size) - start // size)
         if decision.remeasure:
+            self._remeasuring.add(req_id)
             self._once.say("remeasure", f"a stored prefix is restored: {decision.reason} (said once)", logging.INFO)
         if decision.load:
             return True
