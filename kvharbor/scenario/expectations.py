@@ -169,14 +169,16 @@ def judge(world: World, expect: Expect) -> list[Check]:
                 f"{count} line(s)",
             )
         )
-    if expect.status:
-        document = status_document(world)
-        for item in expect.status:
-            checks.append(judge_status(document, item))
+    # One status for the step's status, metric and agree checks, asked once before doctor asks the
+    # gateway anything: they see one moment, the one the step found.
+    status = gateway_status(world) if expect.status or expect.metric or expect.agree else None
+    document = _document(status)
+    samples = metric_samples(status) if expect.metric or expect.agree else None
+    for item in expect.status or []:
+        checks.append(judge_status(document, item))
     for finding in expect.doctor or []:
         checks.append(_judge_doctor(world, finding))
     if expect.metric:
-        samples = metric_samples(world)
         for metric in expect.metric:
             if samples is None:
                 checks.append(Check(f"metric {metric.name}", False, "no gateway serves /metrics"))
@@ -190,7 +192,7 @@ def judge(world: World, expect: Expect) -> list[Check]:
                 )
             )
     if expect.agree:
-        checks += [_judge_agree(status_document(world), metric_samples(world), item) for item in expect.agree]
+        checks += [_judge_agree(document, samples, item) for item in expect.agree]
     return checks
 
 
@@ -212,13 +214,16 @@ def gateway_status(world: World) -> GatewayStatus | None:
 
 
 def status_document(world: World) -> Any:
-    status = gateway_status(world)
+    """The gateway's status as ``kvharbor status --json`` writes it, asked now; None when none answers."""
+    return _document(gateway_status(world))
+
+
+def _document(status: GatewayStatus | None) -> Any:
     return None if status is None else _STATUS.dump_python(status, mode="json")
 
 
-def metric_samples(world: World) -> list[tuple[str, dict[str, str], float]] | None:
-    """Every sample of the gateway's ``/metrics``; None when it does not serve them."""
-    status = gateway_status(world)
+def metric_samples(status: GatewayStatus | None) -> list[tuple[str, dict[str, str], float]] | None:
+    """Every sample of the ``/metrics`` of the gateway whose status this is; None when it serves none."""
     if status is None or not status.metrics_url:
         return None
     with urllib.request.urlopen(status.metrics_url, timeout=METRICS_TIMEOUT_S) as answer:
