@@ -34,6 +34,7 @@ from dataclasses import asdict
 from typing import Any
 
 from kvharbor.cli import Subparsers, add_config_argument, config_from_args
+from kvharbor.config import Config
 from kvharbor.hal.base import CardEventRecord, CardStatus
 
 VIEWS = ("status", "usage", "events", "wipe")
@@ -63,13 +64,14 @@ def add_parser(subparsers: Subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.view != "wipe" and (args.yes or args.force):
         raise ValueError("--yes and --force apply to 'kvharbor card wipe' only")
+    config = config_from_args(args)
     if args.view == "wipe":
-        return _wipe(args)
-    served = _from_gateway(args) if args.config is not None else None
+        return _wipe(args, config)
+    served = _from_gateway(args, config) if args.config is not None else None
     if served is not None:
         report = _report(*served, args.view)
     else:
-        device = _open(args)
+        device = _open(args, config)
         try:
             report = _report(device.card_status(), device.health().state.value, device.card_events(), args.view)
         finally:
@@ -78,12 +80,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _from_gateway(args: argparse.Namespace) -> tuple[CardStatus, str, list[CardEventRecord]] | None:
+def _from_gateway(args: argparse.Namespace, config: Config) -> tuple[CardStatus, str, list[CardEventRecord]] | None:
     """The configured card as the gateway serving it reports it (it holds the card: a block
     store's lock, a simulated card in its memory), or None when no gateway answers there."""
     from kvharbor.gateway.query import GatewayQuery, NoGateway
 
-    config = config_from_args(args)
     name = _section(args, config).name
     try:
         with GatewayQuery.connect(config.gateway) as query:
@@ -110,14 +111,13 @@ def _print(report: dict[str, Any], as_json: bool) -> None:
             print(f"{name:<20} {value}")
 
 
-def _open(args: argparse.Namespace, exclusive: bool = True) -> Any:
+def _open(args: argparse.Namespace, config: Config, exclusive: bool = True) -> Any:
     """The card ``--device`` or the config names, opened as its tier would be (the ``card``
     settings); raises ValueError for anything else, a device fault included."""
     from kvharbor.cache.assembly import device_limit
     from kvharbor.hal.base import CardDevice, DeviceError, DeviceInUse
     from kvharbor.hal.cards import open_card
 
-    config = config_from_args(args)
     section = _section(args, config)
     try:
         device = open_card(section, config.card, device_limit(section, config), exclusive=exclusive)
@@ -171,12 +171,11 @@ def _report(status: CardStatus, health: str, events: list[CardEventRecord], view
 # -- wipe ----------------------------------------------------------------------
 
 
-def _wipe(args: argparse.Namespace) -> int:
+def _wipe(args: argparse.Namespace, config: Config) -> int:
     from kvharbor.config import gateway_address
 
     spec = args.device
     if args.config is not None:
-        config = config_from_args(args)
         spec = _section(args, config).device
         socket_path = str(gateway_address(config).socket)
         if not args.force and _answers(socket_path):
@@ -184,7 +183,7 @@ def _wipe(args: argparse.Namespace) -> int:
                 f"card {spec}: the gateway at {socket_path} is serving it; stop the gateway first, "
                 "or pass --force to wipe beside it"
             )
-    device = _open(args, exclusive=not args.force)
+    device = _open(args, config, exclusive=not args.force)
     try:
         keys = device.usage().keys
         if not args.yes and not _confirmed(spec, keys):
