@@ -62,8 +62,8 @@ class Verdict(enum.Enum):
 @dataclass(frozen=True, slots=True)
 class Finding:
     check: str
-    """Which check: ``gateway``, ``prompt``, ``salt``, ``start_clean``, ``tiers``, ``engine``,
-    ``engine_log``, ``layout``, ``chunks``, ``other_layouts``."""
+    """Which check: ``gateway``, ``prompt``, ``salt``, ``start_clean``, ``tiers``, ``card_layout``,
+    ``engine``, ``engine_log``, ``layout``, ``chunks``, ``other_layouts``."""
     verdict: Verdict
     text: str
 
@@ -353,7 +353,8 @@ def _diagnose(
     findings.append(_check_prompt(len(token_ids), chunk_size))
     findings.append(_check_salt(config, salt))
     if status is not None:
-        findings += [_check_start_clean(status), _check_tiers(status), _check_engine(status)]
+        findings += [_check_start_clean(status), _check_tiers(status), *_check_card_layout(status)]
+        findings.append(_check_engine(status))
     if engine_log is not None:
         findings.append(check_engine_log(engine_log))
     chunks: list[ChunkPlace] = []
@@ -369,6 +370,45 @@ def _diagnose(
             findings += _stored_unsalted(layout, token_ids, salt, where)
     findings += _other_layouts(layout, layouts, token_ids, salt, where, missing=not chunks or _any_missing(chunks))
     return DoctorReport(len(token_ids), chunk_size, salt, layout, chunks, findings, gateway_answered=status is not None)
+
+
+def _check_card_layout(status: GatewayStatus) -> list[Finding]:
+    """Card tiers holding objects of the card's other settings (the seed's "fragment
+    settings": ``card.fragment_bytes`` enters the layout of what a card tier stores).
+
+    Such objects miss: found stale when read (counted, dropped), and before that held
+    under a stored digest that no layout registered in this run maps to under the card's
+    settings now. That second count can also be the objects of an engine that has not
+    connected since the gateway started, so the text names both causes.
+    """
+    registered = {layout.digest for layout in status.layouts}
+    connected = any(layout.this_run for layout in status.layouts)
+    findings = []
+    for tier in status.store.tiers:
+        if tier.name not in status.cards:
+            continue
+        unknown = sum(n for digest, n in tier.layouts.items() if digest not in registered) if connected else 0
+        if unknown:
+            findings.append(
+                Finding(
+                    "card_layout",
+                    Verdict.PROBLEM,
+                    f"tier {tier.name} holds {unknown} object(s) under a layout that no engine of this gateway "
+                    "has under the card's settings now: stored before card.fragment_bytes changed (misses, "
+                    "dropped as they are read), or by an engine that has not connected since the gateway started",
+                )
+            )
+        if tier.counters.stale:
+            findings.append(
+                Finding(
+                    "card_layout",
+                    Verdict.INFO,
+                    f"tier {tier.name} dropped {tier.counters.stale} object(s) stored under other settings of the "
+                    "card (card.fragment_bytes changed since): each was a miss, and its chunk is stored again "
+                    "as it is recomputed",
+                )
+            )
+    return findings
 
 
 def _check_prompt(tokens: int, chunk_size: int) -> Finding:

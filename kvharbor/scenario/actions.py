@@ -33,6 +33,7 @@ class Requirement:
     GATEWAY = "gateway"
     NO_GATEWAY = "no_gateway"
     CARD = "card"
+    SIM_CARD = "sim_card"
     FILES = "files"
     TARGET_UP = "target_up"
     TARGET_DOWN = "target_down"
@@ -80,6 +81,13 @@ class Send(Model):
     prompts: list[Prompt] = Field(min_length=1)
     rounds: int = Field(1, ge=1, le=100)
     """Send the whole list this many times, in order."""
+
+
+class CardChange(Model):
+    """The config's ``card`` settings that differ from now (a changed fragment size, key eviction)."""
+
+    fragment_bytes: int | None = Field(None, ge=4096)
+    key_eviction: bool | None = None
 
 
 class Fill(Model):
@@ -159,6 +167,12 @@ def _send(world: World, p: Send) -> str:
                 result.requests.append(world.send(name, prompt.tokens, prompt.salt))
     world.sends.append(result)
     return f"{len(result.requests)} request(s): {result.cached_tokens} of {result.prompt_tokens} prompt tokens cached"
+
+
+def _set_card(world: World, p: CardChange) -> str:
+    changes = {k: v for k, v in p.model_dump().items() if v is not None}
+    world.set_card(changes)
+    return "card settings changed in the config: " + ", ".join(f"card.{k} {v}" for k, v in changes.items())
 
 
 def _fill_card(world: World, p: Fill) -> str:
@@ -244,12 +258,13 @@ ACTIONS: dict[str, ActionSpec] = {
     "restart_engine": ActionSpec(EngineChange, _restart_engine, (R.ENGINE,), "restart the engine (a new process)"),
     "stop_engine":    ActionSpec(NoParams, _stop_engine, (R.ENGINE,), "stop the engine"),
     "send":           ActionSpec(Send, _send, (R.ENGINE,), "send prompts, one request each, in order"),
-    "fill_card":      ActionSpec(Fill, _fill_card, (R.CARD,), "another writer fills the card"),
-    "key_eviction":   ActionSpec(Switch, _key_eviction, (R.CARD,), "switch the card's key eviction"),
-    "supercap":       ActionSpec(Supercap, _supercap, (R.CARD,), "the supercapacitor fails or is fixed"),
-    "power_cycle":    ActionSpec(NoParams, _power_cycle, (R.CARD,), "the card loses power and comes back"),
-    "target_down":    ActionSpec(NoParams, _target_down, (R.CARD, R.TARGET_UP), "the remote target stops answering"),
-    "target_up":      ActionSpec(NoParams, _target_up, (R.CARD, R.TARGET_DOWN), "the remote target answers again"),
+    "set_card":       ActionSpec(CardChange, _set_card, (R.CARD, R.NO_GATEWAY), "change the config's card settings"),
+    "fill_card":      ActionSpec(Fill, _fill_card, (R.SIM_CARD,), "another writer fills the card"),
+    "key_eviction":   ActionSpec(Switch, _key_eviction, (R.SIM_CARD,), "switch the card's key eviction"),
+    "supercap":       ActionSpec(Supercap, _supercap, (R.SIM_CARD,), "the supercapacitor fails or is fixed"),
+    "power_cycle":    ActionSpec(NoParams, _power_cycle, (R.SIM_CARD,), "the card loses power and comes back"),
+    "target_down":    ActionSpec(NoParams, _target_down, (R.SIM_CARD, R.TARGET_UP), "the remote target goes silent"),
+    "target_up":      ActionSpec(NoParams, _target_up, (R.SIM_CARD, R.TARGET_DOWN), "the remote target answers again"),
     "damage_files":   ActionSpec(Damage, _damage_files, (R.FILES,), "flip a byte in stored file objects"),
     "fill_shm":       ActionSpec(FillShm, _fill_shm, (R.SHM,), "take room on the private shm tmpfs"),
     "wait_log":       ActionSpec(WaitLog, _wait_log, (), "wait for a log line (bounded by timeout_s)"),

@@ -2,7 +2,7 @@
 
 Ready is the gateway's own word on its ready pipe; a gateway that refuses to start
 (a ring that does not fit, a bad config) closes the pipe and exits, and its log says
-why. Every wait is bounded by `GATEWAY_WAIT_S`.
+why. Every wait is bounded by the scenario's ``setup.gateway_wait_s``.
 """
 
 from __future__ import annotations
@@ -14,14 +14,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-GATEWAY_WAIT_S = 30.0
-"""Bound on a gateway's start and exit; far above what a healthy one needs."""
+LOG_TAIL_LINES = 20
+"""How much of a gateway's log a failed wait quotes (what it was doing when the wait ran out)."""
 
 
 class GatewayProcess:
-    def __init__(self, config_path: Path, log_path: Path) -> None:
+    def __init__(self, config_path: Path, log_path: Path, wait_s: float) -> None:
         self.config_path = config_path
         self.log_path = log_path
+        self.wait_s = wait_s
+        """Bound on its start and its exit (``setup.gateway_wait_s``)."""
         self.process: subprocess.Popen[bytes] | None = None
         self.starts = 0
 
@@ -43,7 +45,7 @@ class GatewayProcess:
         os.close(write_end)
         self.starts += 1
         try:
-            ready, _, _ = select.select([read_end], [], [], GATEWAY_WAIT_S)
+            ready, _, _ = select.select([read_end], [], [], self.wait_s)
             answer = os.read(read_end, 16) if ready else b""
         finally:
             os.close(read_end)
@@ -51,8 +53,12 @@ class GatewayProcess:
             return True
         if not ready:
             self.kill()
-            raise RuntimeError(f"scenario gateway: not ready within {GATEWAY_WAIT_S} s; log {self.log_path}")
-        self.process.wait(GATEWAY_WAIT_S)
+            tail = "\n".join(self.log().splitlines()[-LOG_TAIL_LINES:])
+            raise RuntimeError(
+                f"scenario gateway: not ready within {self.wait_s} s (setup.gateway_wait_s); "
+                f"the last lines of its log {self.log_path}:\n{tail}"
+            )
+        self.process.wait(self.wait_s)
         return False
 
     def stop(self) -> int | None:
@@ -68,7 +74,7 @@ class GatewayProcess:
             return None
         if self.process.poll() is None:
             self.process.send_signal(signum)
-        status = self.process.wait(GATEWAY_WAIT_S)
+        status = self.process.wait(self.wait_s)
         self.process = None
         return status
 

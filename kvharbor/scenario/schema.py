@@ -46,15 +46,33 @@ class Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class CardSetup(Model):
-    """The simulated card tier (`kvharbor.hal.sim.params.CardParams`, scaled real time)."""
+SIM_ONLY_CARD_FIELDS = ("supercap_ok", "persist_delay_ms")
+"""`CardSetup` fields that describe the simulated card's hardware, which a block store has not."""
 
+
+class CardSetup(Model):
+    """The card tier: the simulated card (`kvharbor.hal.sim.params.CardParams`, scaled real
+    time), or block mode on a file of the scenario's (``device: file``)."""
+
+    device: Literal["sim", "file"] = "sim"
+    """``sim`` lives in the gateway's memory (its faults come through the control file) and
+    is gone when the gateway ends; ``file`` is block mode on ``card.img`` in the scenario's
+    directory (``file:PATH``), whose objects a restarted gateway finds again."""
     capacity_mb: float = Field(64.0, gt=0)
     key_eviction: bool = True
     supercap_ok: bool = True
     persist_delay_ms: float = Field(2.0, ge=0)
     """How long a write stays in the card's volatile buffer (lost at a power loss without supercapacitor)."""
     fragment_bytes: int = Field(2 << 20, ge=4096)
+    region_mb: int = Field(4, gt=0)
+    """``device: file``: the block store's region (``card.region_mb``), fixed when it is formatted."""
+
+    @model_validator(mode="after")
+    def _hardware_of_the_sim(self) -> CardSetup:
+        sim_only = sorted(set(SIM_ONLY_CARD_FIELDS) & self.model_fields_set)
+        if self.device != "sim" and sim_only:
+            raise ValueError(f"{', '.join(sim_only)}: only the simulated card has it (device: sim)")
+        return self
 
 
 class EngineSetup(Model):
@@ -108,6 +126,9 @@ class Setup(Model):
     ring_mb: int = Field(16, gt=0)
     ring_mb_min: int = Field(4, gt=0)
     engine: EngineSetup = EngineSetup()
+    gateway_wait_s: float = Field(60.0, gt=0, le=600)
+    """How long the harness waits for the gateway to say ready, or to exit; far above what a
+    healthy one needs (about a second here), so that only a hung gateway fails a step."""
 
     @model_validator(mode="after")
     def _vllm_takes_config_only(self) -> Setup:

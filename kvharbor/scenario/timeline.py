@@ -35,6 +35,10 @@ def check_timeline(scenario: Scenario) -> tuple[Step | None, str] | None:
     setup = scenario.setup
     static = {
         Requirement.CARD: (setup.card is not None, "needs a card tier (setup.card)"),
+        Requirement.SIM_CARD: (
+            setup.card is not None and setup.card.device == "sim",
+            "needs the simulated card (setup.card with device: sim): a fault comes through its control file",
+        ),
         Requirement.FILES: (setup.file_mb is not None, "needs a file tier (setup.file_mb)"),
         Requirement.SHM: (setup.shm_mb is not None, "needs a private shared-memory filesystem (setup.shm_mb)"),
     }

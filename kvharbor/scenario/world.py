@@ -26,7 +26,7 @@ from kvharbor.scenario.gateway import GatewayProcess
 
 if TYPE_CHECKING:
     from kvharbor.scenario.drivers.vllm import VllmEngine
-from kvharbor.scenario.schema import ENGINE_CONFIG_FIELDS, EngineSetup, Setup
+from kvharbor.scenario.schema import ENGINE_CONFIG_FIELDS, CardSetup, EngineSetup, Setup
 from kvharbor.telemetry.log import get_logger
 
 _log = get_logger("kvharbor.scenario")
@@ -75,8 +75,10 @@ class World:
         self.control_path = directory / "card-control.yaml"
         self.control: dict[str, Any] = {}
         self.file_dir = directory / "files"
+        self.card_setup = setup.card
+        """The card as configured now (`set_card` changes it between gateway runs)."""
         self.config_path = self._write_config()
-        self.gateway = GatewayProcess(self.config_path, directory / "gateway.log")
+        self.gateway = GatewayProcess(self.config_path, directory / "gateway.log", setup.gateway_wait_s)
         self.engine_log = directory / "engine.log"
         self.engine: LightEngine | VllmEngine | None = None
         self.engine_setup = setup.engine
@@ -143,6 +145,13 @@ class World:
         """Change the card's control state (every field kept: the card applies what changed)."""
         self.control.update(changes)
         write_control(str(self.control_path), **self.control)
+
+    def set_card(self, changes: dict[str, Any]) -> None:
+        """Change the config's card settings; the next gateway (and engine) reads them."""
+        if self.card_setup is None:
+            raise RuntimeError("scenario: set_card needs setup.card")
+        self.card_setup = CardSetup.model_validate({**self.card_setup.model_dump(exclude_unset=True), **changes})
+        self._write_config()
 
     def power_cycle(self) -> None:
         self.card(power_cycles=int(self.control.get("power_cycles", 0)) + 1)
@@ -236,20 +245,30 @@ class World:
             "dashboard": {"port": 0},  # It serves /metrics too, and fills the status's metrics_url.
             "telemetry": {"prometheus": {"port": 0}},
         }
-        if setup.card is not None:
-            card = setup.card
-            params = {
-                "capacity_bytes": int(card.capacity_mb * 2**20),
-                "key_eviction": card.key_eviction,
-                "supercap_ok": card.supercap_ok,
-                "persist_delay_s": card.persist_delay_ms / 1000,
-                "control_path": str(self.control_path),
-                "control_poll_s": 0.01,
+        if self.card_setup is not None:
+            tiers.append(self._card_tier(self.card_setup))
+            document["card"] = {
+                "key_eviction": self.card_setup.key_eviction,
+                "fragment_bytes": self.card_setup.fragment_bytes,
+                "region_mb": self.card_setup.region_mb,
             }
-            params_path = self.directory / "card-params.yaml"
-            params_path.write_text(yaml.safe_dump(params))
-            tiers.append({"name": "card", "type": "nvme", "device": f"sim:{params_path}"})
-            document["card"] = {"key_eviction": card.key_eviction, "fragment_bytes": card.fragment_bytes}
         path = self.directory / "kvharbor.yaml"
         path.write_text(yaml.safe_dump(document))
         return path
+
+    def _card_tier(self, card: CardSetup) -> dict[str, Any]:
+        if card.device == "file":
+            # Block mode on a file (formatted at its first open): it outlives the gateway.
+            image = self.directory / "card.img"
+            return {"name": "card", "type": "nvme", "device": f"file:{image}", "capacity_gb": card.capacity_mb / 1024}
+        params = {
+            "capacity_bytes": int(card.capacity_mb * 2**20),
+            "key_eviction": card.key_eviction,
+            "supercap_ok": card.supercap_ok,
+            "persist_delay_s": card.persist_delay_ms / 1000,
+            "control_path": str(self.control_path),
+            "control_poll_s": 0.01,
+        }
+        params_path = self.directory / "card-params.yaml"
+        params_path.write_text(yaml.safe_dump(params))
+        return {"name": "card", "type": "nvme", "device": f"sim:{params_path}"}

@@ -45,7 +45,7 @@ HEAD = "name: bad\nsymptom: s\nreplays: r\n"
         ),
         (
             "steps:\n  - fill_card: {ratio: 1}\n  - expect: {cache_off: true}\n",
-            "x.yaml:5: steps[0].fill_card: needs a card tier",
+            "x.yaml:5: steps[0].fill_card: needs the simulated card",
         ),
         ("steps:\n  - expect: {}\n", "x.yaml:5: steps[0].expect: Value error, an expect step needs at least one of"),
         (
@@ -65,6 +65,23 @@ HEAD = "name: bad\nsymptom: s\nreplays: r\n"
             "setup: {driver: vllm}\nsteps:\n  - start_gateway: {}\n  - start_engine: {}\n"
             "  - restart_engine: {release: 0.0.1, chunk_size: 512}\n  - expect: {cache_off: true}\n",
             "x.yaml:8: steps[2].restart_engine: the vllm driver cannot set release",
+        ),
+        (
+            "setup: {card: {device: file}}\nsteps:\n  - supercap: {ok: false}\n  - expect: {cache_off: true}\n",
+            "x.yaml:6: steps[0].supercap: needs the simulated card (setup.card with device: sim)",
+        ),
+        (
+            "setup: {card: {device: file, supercap_ok: false}}\nsteps:\n  - expect: {cache_off: true}\n",
+            "x.yaml:4: setup.card: Value error, supercap_ok: only the simulated card has it (device: sim)",
+        ),
+        (
+            "setup: {card: {device: file}}\nsteps:\n  - start_gateway: {}\n  - set_card: {fragment_bytes: 1048576}\n"
+            "  - expect: {cache_off: true}\n",
+            "x.yaml:7: steps[1].set_card: the gateway is already running here",
+        ),
+        (
+            "steps:\n  - set_card: {fragment_bytes: 1048576}\n  - expect: {cache_off: true}\n",
+            "x.yaml:5: steps[0].set_card: needs a card tier",
         ),
         ("steps: [\n", "x.yaml:"),
     ],
