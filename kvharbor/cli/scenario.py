@@ -28,7 +28,9 @@ def add_parser(subparsers: Subparsers) -> None:
     )  # fmt: skip
     views = parser.add_subparsers(dest="view", metavar="VIEW", required=True)
     listing = views.add_parser("list", help="the shipped scenarios")
-    listing.add_argument("--json", action="store_true")
+    listing.add_argument(
+        "--json", action="store_true", help="one JSON list: each scenario's name, symptom, replays and driver"
+    )
     listing.set_defaults(run=run_list)
     running = views.add_parser("run", help="run scenarios: a shipped name, a file, or all")
     running.add_argument("target", metavar="NAME|FILE|all")
@@ -36,10 +38,12 @@ def add_parser(subparsers: Subparsers) -> None:
     running.add_argument("--keep", metavar="DIR", help="run in DIR and keep its logs (one scenario)")
     running.set_defaults(run=run_run)
     fuzzing = views.add_parser("fuzz", help="random fault timelines, invariants checked after every step")
-    fuzzing.add_argument("--runs", type=int, required=True)
-    fuzzing.add_argument("--seed", type=int, required=True)
+    fuzzing.add_argument("--runs", type=int, required=True, help="how many random timelines to run")
+    fuzzing.add_argument(
+        "--seed", type=int, required=True, help="the campaign's seed: the same seed draws the same timelines"
+    )
     fuzzing.add_argument("--steps", type=int, default=8, help="actions per run (default 8)")
-    fuzzing.add_argument("--json", action="store_true")
+    fuzzing.add_argument("--json", action="store_true", help="the report as one JSON document on stdout")
     fuzzing.add_argument("--save", metavar="FILE", help="write the first failure's shrunk timeline as a scenario")
     fuzzing.set_defaults(run=run_fuzz)
 
