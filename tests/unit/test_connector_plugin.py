@@ -10,6 +10,7 @@ from vllm.config import KVTransferConfig
 from vllm.engine.arg_utils import EngineArgs
 
 from kvharbor.connector.vllm import plugin
+from kvharbor.connector.vllm.settings import config_from_extra
 from kvharbor.telemetry.log import OnceLog
 
 EXAMPLE = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both")
@@ -35,6 +36,17 @@ def test_kvharbor_fills_in_its_connector_when_none_is_given(caplog: pytest.LogCa
     assert chosen.kv_role == "kv_both"
     assert chosen.kv_load_failure_policy == "recompute"  # A miss is recomputed, never a failed request.
     assert "kvharbor: KVHARBOR=1: the kvharbor KV connector is on" in caplog.text
+    # Marked as filled in by the variable (what a model kvharbor cannot serve then does), and
+    # the mark is no config key of kvharbor's to refuse.
+    assert plugin.activated_by_env(chosen.kv_connector_extra_config)
+    config_from_extra(chosen.kv_connector_extra_config, environ={})
+
+
+def test_an_explicit_config_is_not_marked_as_the_variables() -> None:
+    assert not plugin.activated_by_env(None)
+    assert not plugin.activated_by_env({})
+    assert not plugin.activated_by_env({"config_file": "/etc/kvharbor.yaml"})
+    assert not plugin.activated_by_env({plugin.ACTIVATION_KEY: "someone"})
 
 
 def test_an_explicit_config_wins_and_says_so(caplog: pytest.LogCaptureFixture) -> None:

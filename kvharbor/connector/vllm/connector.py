@@ -11,6 +11,13 @@ Enable it with ``KVHARBOR=1`` (see `plugin`) or explicitly::
     --kv-transfer-config '{"kv_connector": "KVHarborConnector",
         "kv_connector_module_path": "kvharbor.connector.vllm.connector",
         "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}'
+
+A model whose KV cache the connector cannot exchange (`ConnectorRefusal`: a cache
+group other than full attention, a chunk that is not whole blocks) is refused at
+start when the config was given explicitly. Under ``KVHARBOR=1`` alone the engine
+starts and the connector stays off: both halves are absent (``_scheduler`` and
+``_worker`` None), every call answers as an empty cache, the scheduler's log says
+why once and ``vllm:kvharbor_cache_off`` is 1.
 """
 
 from __future__ import annotations
@@ -35,9 +42,10 @@ from kvharbor.connector.verifier import Verifier
 from kvharbor.connector.vllm.costs import load_planner
 from kvharbor.connector.vllm.layout import ConnectorRefusal, build_layout
 from kvharbor.connector.vllm.metadata import KVHarborMetadata
+from kvharbor.connector.vllm.plugin import activated_by_env
 from kvharbor.connector.vllm.scheduler import SchedulerSide
 from kvharbor.connector.vllm.settings import config_from_extra
-from kvharbor.connector.vllm.stats import KVHarborPromMetrics, KVHarborStats
+from kvharbor.connector.vllm.stats import KVHarborPromMetrics, KVHarborStats, empty
 from kvharbor.connector.vllm.worker import WorkerSide
 from kvharbor.gateway import embedded
 from kvharbor.telemetry.log import attach_to_engine_log, get_logger
@@ -59,13 +67,30 @@ class KVHarborConnector(KVConnectorBase_V1):
         attach_to_engine_log()
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None, "vLLM builds a connector only with a kv_transfer_config"
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        self.off_reason = ""
+        """Why the connector stays off for this engine (`ConnectorRefusal` under ``KVHARBOR=1``)."""
         try:
             self.config = config_from_extra(transfer.kv_connector_extra_config)
             self.layout = build_layout(vllm_config, kv_cache_config, self.config)
-        except (ConfigError, ConnectorRefusal) as err:
+        except ConnectorRefusal as err:
+            if not activated_by_env(transfer.kv_connector_extra_config):
+                raise RuntimeError(
+                    f"kvharbor: the connector refuses to start: {err}. Named in --kv-transfer-config, it refuses "
+                    "rather than silently cache nothing: run this model without it (with KVHARBOR=1 alone the "
+                    "engine would start without the external cache)"
+                ) from None
+            self.off_reason = str(err)
+            if role == KVConnectorRole.SCHEDULER:  # One line per engine: the workers' say the same.
+                _log.warning(
+                    "kvharbor: KVHARBOR=1, but the connector cannot serve this model, so the engine runs "
+                    "without the external KV cache: %s",
+                    err,
+                )
+            return
+        except ConfigError as err:
             raise RuntimeError(f"kvharbor: the connector refuses to start: {err}") from None
-        self._scheduler: SchedulerSide | None = None
-        self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._insist_on_recompute(transfer)
             name = f"vllm-scheduler pid {os.getpid()}"
@@ -118,19 +143,22 @@ class KVHarborConnector(KVConnectorBase_V1):
     # -- scheduler role ------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        assert self._scheduler is not None
+        if self._scheduler is None:
+            return 0, False
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        assert self._scheduler is not None
-        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        if self._scheduler is not None:
+            self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        assert self._scheduler is not None
+        if self._scheduler is None:
+            return KVHarborMetadata()
         return self._scheduler.build_meta(scheduler_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        assert self._scheduler is not None
+        if self._scheduler is None:
+            return False, None
         return self._scheduler.request_finished(request)
 
     def take_events(self) -> Iterable[Any]:
@@ -151,14 +179,16 @@ class KVHarborConnector(KVConnectorBase_V1):
     # -- worker role -------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        assert self._worker is not None
+        if self._worker is None:
+            return
         try:
             self._worker.register(kv_caches, int(self._kv_cache_config.num_blocks))
         except ConnectorRefusal as err:
             raise RuntimeError(f"kvharbor: the connector refuses to start: {err}") from None
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        assert self._worker is not None
+        if self._worker is None:
+            return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVHarborMetadata)
         self._worker.load(meta)
@@ -181,8 +211,7 @@ class KVHarborConnector(KVConnectorBase_V1):
             self._worker.save_layer(layer_name)
 
     def wait_for_save(self) -> None:
-        assert self._worker is not None
-        if not self.has_connector_metadata():
+        if self._worker is None or not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVHarborMetadata)
@@ -196,7 +225,7 @@ class KVHarborConnector(KVConnectorBase_V1):
         # and skipped requests; vLLM aggregates the two.
         side = self._worker if self._worker is not None else self._scheduler
         if side is None:
-            return None
+            return KVHarborStats(data={**empty(), "cache_off": 1}) if self.off_reason else None
         stats = KVHarborStats(data=side.take_stats())
         return None if stats.is_empty() else stats
 

@@ -7,6 +7,13 @@ gave no ``--kv-transfer-config`` and ``KVHARBOR=1``, it fills one in. The
 config built there travels to the engine core and the workers, so wrapping
 it in the front-end process is enough. An explicit ``--kv-transfer-config``
 always wins, and a log line says so.
+
+The config ``KVHARBOR=1`` fills in is marked (`ACTIVATION_KEY` in its
+``kv_connector_extra_config``), because activation decides what a model the
+connector cannot serve does: with ``KVHARBOR=1`` alone the engine starts without
+the cache and says so once (set across a fleet, the variable must not stop the
+engines of models kvharbor cannot serve); with an explicit config naming the
+connector it refuses to start (asked for by name, it never silently caches nothing).
 """
 
 from __future__ import annotations
@@ -19,9 +26,20 @@ from kvharbor.connector.env import ENV_ENABLE, enabled
 from kvharbor.connector.vllm.compat import SUPPORTED, version_supported, vllm_version
 from kvharbor.telemetry.log import OnceLog, attach_to_engine_log, get_logger
 
-__all__ = ["ENV_ENABLE", "choose_transfer_config", "enabled", "register", "transfer_config"]
+__all__ = [
+    "ACTIVATION_KEY",
+    "ENV_ENABLE",
+    "activated_by_env",
+    "choose_transfer_config",
+    "enabled",
+    "register",
+    "transfer_config",
+]
 
 CONNECTOR_NAME = "KVHarborConnector"
+ACTIVATION_KEY = "activated_by"
+"""The ``kv_connector_extra_config`` key that marks a config `transfer_config` filled in."""
+ACTIVATED_BY_ENV = ENV_ENABLE + "=1"
 CONNECTOR_MODULE = "kvharbor.connector.vllm.connector"
 
 _log = get_logger("kvharbor.connector.vllm")
@@ -36,7 +54,13 @@ def transfer_config() -> dict[str, Any]:
         "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {ACTIVATION_KEY: ACTIVATED_BY_ENV},
     }
+
+
+def activated_by_env(extra: Mapping[str, Any] | None) -> bool:
+    """Whether a connector's ``kv_connector_extra_config`` is the one ``KVHARBOR=1`` filled in."""
+    return extra is not None and extra.get(ACTIVATION_KEY) == ACTIVATED_BY_ENV
 
 
 def choose_transfer_config(given: Any, environ: Mapping[str, str] | None = None) -> Any:
