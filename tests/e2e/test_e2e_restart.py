@@ -39,6 +39,9 @@ def test_restart_restores_the_bound_with_identical_output(lab: Lab) -> None:
 
     first = lab.run({"rounds": [[request(LONG)], [request(ROUND)]]}).ok()
     assert "kvharbor: 4 cache tensors registered" in first.log
+    # Each cache group said once at start: the tiny model's one group of its 4 layers.
+    assert "kvharbor: group 0: FullAttentionSpec[4](bs=128," in first.log
+    assert first.log.count("kvharbor: group ") == 1
     assert [r["external_hits"] for r in first.rounds()] == [0, 0]
     assert lab.stored_objects() == len(LONG) // CHUNK + len(ROUND) // CHUNK  # Each full chunk, once.
     # The engine registered its real vLLM layout with the (lingering) gateway: status names

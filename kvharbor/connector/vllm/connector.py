@@ -115,6 +115,11 @@ class KVHarborConnector(KVConnectorBase_V1):
                 self.layout.chunk_size, self.layout.blocks_per_chunk, self.layout.ranks,
                 self.config.engine.key_namespace,
             )  # fmt: skip
+            for group in self.layout.groups:  # One line per cache group, as vLLM hands them over.
+                _log.info(
+                    "kvharbor: group %d: %s, layers %s .. %s",
+                    group.index, group.descriptor, group.layer_names[0], group.layer_names[-1],
+                )  # fmt: skip
         else:
             rank = self.layout.rank_index(*_worker_ranks())
             name = f"vllm-worker rank {rank} pid {os.getpid()}"
