@@ -46,6 +46,8 @@ class _Section(BaseModel):
 
 class EngineSection(_Section):
     chunk_size: int = Field(256, gt=0, description="tokens per stored chunk")
+    """Left unset, an engine whose blocks do not divide it rounds it up to whole blocks
+    (`chunk_size_for`); SGLang stores one chunk per page (``--page-size``)."""
     key_namespace: str = Field("default", min_length=1, max_length=128)
     require_cache_salt: bool = False
     verify_wait_ms: int = Field(
@@ -103,6 +105,15 @@ class EngineSection(_Section):
     @property
     def save_staging_bytes_max(self) -> int:
         return self.save_staging_mb_max * MIB
+
+    def chunk_size_for(self, block_size: int) -> int:
+        """The chunk size of a vLLM engine whose KV blocks hold ``block_size`` tokens:
+        ``chunk_size`` where it was set (the connector refuses one that is not whole blocks),
+        else the default rounded up to whole blocks (hybrid models run with blocks of 512
+        tokens or more, which the default 256 would not divide)."""
+        if "chunk_size" in self.model_fields_set or self.chunk_size % block_size == 0:
+            return self.chunk_size
+        return -(-self.chunk_size // block_size) * block_size
 
 
 def default_runtime_dir() -> Path:

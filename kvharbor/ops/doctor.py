@@ -183,21 +183,24 @@ def pick_layout(
             raise ValueError(f"--layout {layout_id} {many}; registered: {listing}")
         return matches[0], Finding("layout", Verdict.INFO, f"keys for layout {matches[0].short} (--layout)")
     engine = config.engine
+    # Left unset, the chunk size is the engine's to choose (whole blocks, an SGLang page).
+    chunk_set = "chunk_size" in engine.model_fields_set
     fits = [
         layout
         for layout in layouts
-        if layout.fingerprint.chunk_size == engine.chunk_size
+        if (layout.fingerprint.chunk_size == engine.chunk_size or not chunk_set)
         and layout.fingerprint.key_namespace == engine.key_namespace
         and layout.fingerprint.tp_rank == 0
         and layout.fingerprint.pp_rank == 0
     ]
     if not fits:
+        wanted = f"engine.chunk_size {engine.chunk_size} and " if chunk_set else ""
         return None, Finding(
             "layout",
             Verdict.PROBLEM,
-            f"no registered layout has engine.chunk_size {engine.chunk_size} and engine.key_namespace "
-            f"{engine.key_namespace!r} (registered: {listing}): no engine of this config stored anything here; "
-            "give --layout ID to check one of the registered layouts",
+            f"no registered layout has {wanted}engine.key_namespace {engine.key_namespace!r} (registered: "
+            f"{listing}): no engine of this config stored anything here; give --layout ID to check one of the "
+            "registered layouts",
         )
     chosen = max(fits, key=lambda layout: layout.registered_at_s)
     return chosen, Finding(

@@ -96,3 +96,15 @@ def test_restart_restores_the_bound_with_identical_output(lab: Lab) -> None:
     assert result["cached"] == healed.rounds()[0]["external_hits"] == bound(len(LONG))
     assert result["tokens"] == expected["0.0"]
     assert healed.metrics()["vllm:kvharbor_loaded_chunks"] == 3
+
+
+def test_blocks_larger_than_the_default_chunk_choose_whole_block_chunks(lab: Lab) -> None:
+    """Hybrid models run with large blocks; with engine.chunk_size unset the chunk becomes
+    whole blocks (here one 512-token block) instead of refusing the model."""
+    large = {"llm": {"block_size": 512}, "rounds": [[request(LONG)]]}
+    first = lab.run(large).ok()
+    assert "kvharbor: engine.chunk_size is unset and vLLM's blocks hold 512 tokens: chunks of 512 tokens" in first.log
+    assert lab.stored_objects() == len(LONG) // 512
+    restarted = lab.run(large).ok()
+    assert restarted.rounds()[0]["external_hits"] == bound(len(LONG), chunk=512, block=512) == 512
+    assert restarted.requests()["0.0"]["tokens"] == first.requests()["0.0"]["tokens"]

@@ -157,4 +157,4 @@ def test_the_layout_registry_survives_a_restart_and_start_clean_empties_it(lab: 
     assert doctor.returncode == 1, doctor.stderr
     assert "problem  start_clean: the gateway was started with --start-clean=1" in doctor.stdout
     assert "problem  engine: no engine registered a layout with this gateway" in doctor.stdout
-    assert "problem  layout: no registered layout has engine.chunk_size 256" in doctor.stdout
+    assert "problem  layout: no registered layout has engine.key_namespace 'default'" in doctor.stdout

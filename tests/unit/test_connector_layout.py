@@ -62,6 +62,26 @@ def test_a_chunk_that_is_not_whole_blocks_is_refused_with_both_numbers() -> None
     assert "set engine.chunk_size to 128" in message
 
 
+def test_an_unset_chunk_size_is_rounded_up_to_whole_blocks() -> None:
+    """Hybrid models run with large blocks: the default 256 becomes the first multiple of them."""
+    blocks_of = {"cache_config.block_size": 512, "spec": {"block_size": 512}}
+    layout = build_layout(*engine(**copy.deepcopy(blocks_of)), load_config(environ={}))
+    assert (layout.chunk_size, layout.blocks_per_chunk) == (512, 1)
+    assert layout.fingerprints[0].chunk_size == 512
+    blocks_of = {"cache_config.block_size": 96, "spec": {"block_size": 96}}
+    assert build_layout(*engine(**copy.deepcopy(blocks_of)), load_config(environ={})).chunk_size == 288
+    # Whole blocks already: the default as it is.
+    assert build_layout(*engine(), load_config(environ={})).chunk_size == 256
+
+
+def test_a_chunk_size_that_was_set_is_kept_or_refused() -> None:
+    blocks_of = {"cache_config.block_size": 512, "spec": {"block_size": 512}}
+    with pytest.raises(ConnectorRefusal, match=r"engine.chunk_size 256 must be a multiple of vLLM's block size 512"):
+        digests(chunk_size=256, **copy.deepcopy(blocks_of))
+    config = load_config(environ={"KVHARBOR__ENGINE__CHUNK_SIZE": "1024"})
+    assert build_layout(*engine(**copy.deepcopy(blocks_of)), config).chunk_size == 1024
+
+
 def test_a_cache_it_cannot_exchange_is_refused_by_name() -> None:
     vllm_config, kv_cache_config = engine()
     window = SlidingWindowSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.float32, sliding_window=512)

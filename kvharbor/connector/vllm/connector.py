@@ -115,6 +115,12 @@ class KVHarborConnector(KVConnectorBase_V1):
                 self.layout.chunk_size, self.layout.blocks_per_chunk, self.layout.ranks,
                 self.config.engine.key_namespace,
             )  # fmt: skip
+            if self.layout.chunk_size != self.config.engine.chunk_size:
+                _log.info(
+                    "kvharbor: engine.chunk_size is unset and vLLM's blocks hold %d tokens: chunks of %d tokens "
+                    "(whole blocks; set engine.chunk_size to choose another multiple)",
+                    self.layout.block_size, self.layout.chunk_size,
+                )  # fmt: skip
             for group in self.layout.groups:  # One line per cache group, as vLLM hands them over.
                 _log.info(
                     "kvharbor: group %d: %s, layers %s .. %s",

@@ -134,8 +134,8 @@ def build_layout(vllm_config: Any, kv_cache_config: Any, config: Config) -> Vllm
     cache = vllm_config.cache_config
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
-    chunk_size = config.engine.chunk_size
     block_size = int(cache.block_size)
+    chunk_size = config.engine.chunk_size_for(block_size)
     if chunk_size % block_size:
         raise ConnectorRefusal(
             f"engine.chunk_size {chunk_size} must be a multiple of vLLM's block size {block_size}: "
