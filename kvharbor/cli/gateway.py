@@ -9,6 +9,8 @@ process serves until SIGTERM or SIGINT. ``--ready-fd``, ``--parent-fd`` and
 the gateway with them to learn when it serves, to detach it from the engine
 (`kvharbor.gateway.detach`) and to let its clients decide its life
 (``gateway.linger_s``), or, at ``linger_s: 0``, to stop it when the engine exits.
+``--as-release`` is internal too: the scenarios' gateway of another release says it is
+that release (and so refuses engines of this one, VERSION_MISMATCH).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import argparse
 import os
 from pathlib import Path
 
+from kvharbor import __version__
 from kvharbor.cli import Subparsers, add_config_argument, config_from_args
 from kvharbor.config import ENV_CONFIG
 
@@ -57,6 +60,7 @@ def add_parser(subparsers: Subparsers) -> None:
     parser.add_argument("--ready-fd", type=_open_fd, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--parent-fd", type=_open_fd, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--embedded", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--as-release", metavar="RELEASE", default=None, help=argparse.SUPPRESS)
     parser.set_defaults(run=run)
 
 
@@ -80,4 +84,5 @@ def run(args: argparse.Namespace) -> int:
         parent_fd=args.parent_fd,
         linger_s=linger_s,
         config_path=Path(config_path).resolve() if config_path else None,
+        release=args.as_release or __version__,
     )

@@ -9,6 +9,7 @@ import sys
 import threading
 from pathlib import Path
 
+from kvharbor import __version__
 from kvharbor.config import Config
 from kvharbor.gateway.cpus import CpusUnusable, place_on_cpus
 from kvharbor.gateway.heap import keep_freed_memory
@@ -54,6 +55,7 @@ def run_gateway(
     parent_fd: int | None = None,
     linger_s: float = 0.0,
     config_path: Path | None = None,
+    release: str = __version__,
 ) -> int:
     """Serve until SIGTERM/SIGINT (or the parent's exit, or idle for ``linger_s``); returns the exit status.
 
@@ -62,6 +64,7 @@ def run_gateway(
     gateway lives for (embedded mode, ``linger_s`` 0); its closing stops the gateway.
     ``linger_s`` > 0: an embedded gateway whose clients decide its life (`kvharbor.gateway.lifetime`).
     ``config_path``: the file ``config`` was read from (the dashboard writes its edits there).
+    ``release``: the release it serves as (`Gateway`; another only where a scenario asks).
     """
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s")
@@ -71,7 +74,7 @@ def run_gateway(
         _log.error("kvharbor: gateway cannot start: %s", err)
         return EXIT_CANNOT_START
     keep_freed_memory()  # Before the store allocates anything.
-    gateway = Gateway(config, start_clean=start_clean, linger_s=linger_s, config_path=config_path)
+    gateway = Gateway(config, start_clean=start_clean, linger_s=linger_s, config_path=config_path, release=release)
     try:
         gateway.start()
     except GatewayStartError as err:

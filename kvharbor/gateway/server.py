@@ -134,11 +134,19 @@ class _Connection:
 
 class Gateway:
     def __init__(
-        self, config: Config, start_clean: bool = False, linger_s: float = 0.0, config_path: Path | None = None
+        self,
+        config: Config,
+        start_clean: bool = False,
+        linger_s: float = 0.0,
+        config_path: Path | None = None,
+        release: str = __version__,
     ) -> None:
         """``linger_s`` > 0: an embedded gateway whose life its clients decide (`Lifetime`);
         0: it serves until stopped (a signal, or its embedding engine's exit).
-        ``config_path``: the file ``config`` came from, where the dashboard writes an edit."""
+        ``config_path``: the file ``config`` came from, where the dashboard writes an edit.
+        ``release``: the release it says it is and serves (another: a gateway of another
+        release, as the scenarios replay one; clients of this release are then refused)."""
+        self.release = release
         self.config = config
         """The config in force; the dashboard may replace it by one differing in settings read at each use."""
         self.config_path = config_path
@@ -247,7 +255,7 @@ class Gateway:
         )
         _log.info(
             "kvharbor: gateway %s (protocol %d, pid %d) serving %s, shared memory %s (%d MiB), start-clean=%d",
-            __version__, p.PROTOCOL_VERSION, os.getpid(), self.socket_path, self.segment.path,
+            self.release, p.PROTOCOL_VERSION, os.getpid(), self.socket_path, self.segment.path,
             self.segment.size // MIB, int(self.start_clean),
         )  # fmt: skip
 
@@ -428,7 +436,7 @@ class Gateway:
         hits = store_status.hits
         cards, card_events = self._cards()
         return GatewayStatus(
-            release=__version__,
+            release=self.release,
             protocol=p.PROTOCOL_VERSION,
             pid=os.getpid(),
             socket=str(self.socket_path),
@@ -662,10 +670,10 @@ class Gateway:
     def _hello(self, hello: p.Hello) -> p.Message:
         assert self.segment is not None
         who = f"client {hello.client!r} (pid {hello.pid})"
-        if hello.protocol != p.PROTOCOL_VERSION or hello.release != __version__:
+        if hello.protocol != p.PROTOCOL_VERSION or hello.release != self.release:
             mismatch = (
                 f"{who} is release {hello.release} protocol {hello.protocol}; "
-                f"gateway (pid {os.getpid()}) is release {__version__} protocol {p.PROTOCOL_VERSION}"
+                f"gateway (pid {os.getpid()}) is release {self.release} protocol {p.PROTOCOL_VERSION}"
             )
             self._step_aside(f"{who} is release {hello.release}", f"VERSION_MISMATCH, {mismatch}")
             raise p.ProtocolError(p.ErrorCode.VERSION_MISMATCH, f"{mismatch}: {self._mismatch_hint()}")
@@ -693,7 +701,7 @@ class Gateway:
             self._learn_layouts([layout.digest() for layout in layouts])
         _log.info("kvharbor: client %r (pid %d) attached", hello.client, hello.pid)
         return p.HelloOk(
-            p.PROTOCOL_VERSION, __version__, str(self.segment.path), self.segment.size, self.ring_bytes, os.getpid()
+            p.PROTOCOL_VERSION, self.release, str(self.segment.path), self.segment.size, self.ring_bytes, os.getpid()
         )
 
     def _learn_layouts(self, digests: Sequence[bytes]) -> None:

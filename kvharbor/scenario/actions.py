@@ -51,6 +51,8 @@ class StartGateway(Model):
     start_clean: bool = False
     refused: bool = False
     """The gateway is expected to refuse to start (its log says why); the run goes on without it."""
+    release: str | None = Field(None, min_length=1)
+    """The release the gateway says it is (None: this one): a gateway of another release."""
 
 
 class EngineChange(Model):
@@ -127,7 +129,7 @@ class WaitStatus(StatusField):
 
 
 def _start_gateway(world: World, p: StartGateway) -> str:
-    ready = world.gateway.start(p.start_clean)
+    ready = world.gateway.start(p.start_clean, p.release)
     world.last_refused_start = not ready
     if ready == p.refused:
         raise ActionFailed("the gateway " + ("started" if ready else "refused to start") + "; see its log")

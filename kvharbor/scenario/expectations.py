@@ -15,7 +15,7 @@ from typing import Any, Literal
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import Field, TypeAdapter, model_validator
 
-from kvharbor.gateway.client import GatewayClient, GatewayError
+from kvharbor.gateway.query import GatewayQuery, NoGateway
 from kvharbor.gateway.status import GatewayStatus
 from kvharbor.ops.doctor import diagnose
 from kvharbor.scenario.schema import Model
@@ -200,17 +200,13 @@ _STATUS = TypeAdapter(GatewayStatus)
 
 
 def gateway_status(world: World) -> GatewayStatus | None:
-    """The gateway's status, asked through a real client; None when none answers."""
+    """The gateway's status, asked as ``kvharbor status`` asks it (no handshake: a gateway of
+    another release answers too); None when none answers."""
     try:
-        client = GatewayClient.connect(world.engine_config(world.engine_setup).gateway, "scenario inspector")
-    except GatewayError:
+        with GatewayQuery.connect(world.engine_config(world.engine_setup).gateway) as query:
+            return query.status()
+    except NoGateway:
         return None
-    try:
-        return client.status()
-    except GatewayError:
-        return None
-    finally:
-        client.close()
 
 
 def status_document(world: World) -> Any:

@@ -31,13 +31,15 @@ class GatewayProcess:
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
-    def start(self, start_clean: bool = False) -> bool:
-        """Start it; True once it says ready, False when it exited instead (the log says why)."""
+    def start(self, start_clean: bool = False, release: str | None = None) -> bool:
+        """Start it; True once it says ready, False when it exited instead (the log says why).
+        ``release``: it says it is that release (``kvharbor gateway --as-release``)."""
         if self.running:
             raise RuntimeError("scenario gateway: already running")
         read_end, write_end = os.pipe()
         command = [sys.executable, "-m", "kvharbor", "gateway", "--config", str(self.config_path)]
         command += [f"--start-clean={int(start_clean)}", "--ready-fd", str(write_end)]
+        command += ["--as-release", release] if release is not None else []
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 command, pass_fds=(write_end,), stdout=log, stderr=log, stdin=subprocess.DEVNULL
