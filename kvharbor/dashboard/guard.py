@@ -26,11 +26,13 @@ import ipaddress
 import json
 import socket
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 from urllib.parse import parse_qs
 
-from starlette.types import ASGIApp, Receive, Scope, Send
-
 from kvharbor.config import DashboardSection
+
+if TYPE_CHECKING:  # Types only: the gateway imports this module without the web stack.
+    from starlette.types import ASGIApp, Receive, Scope, Send
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
 """Answered without the Host check and the token: probes."""

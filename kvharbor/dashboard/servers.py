@@ -12,6 +12,10 @@ logged and reported (`DashboardStatus`). Neither ever stops the gateway:
   (`guard.exposure_problem`): the figures and the config editor would be open to the
   network. Both listeners stay off then; the gateway serves on.
 
+- the web stack missing (uvicorn or starlette not importable: an install that left out
+  kvharbor's dependencies): said once, naming the module, no dashboard; the gateway,
+  which needs neither to serve engines, imports them only here.
+
 ``dashboard.enabled: false`` starts neither. uvicorn's own log lines are kept to its
 errors: they lack the ``kvharbor:`` prefix, and a client sending malformed requests
 would have it log one line per request; refusals are answered, not logged.
@@ -21,15 +25,13 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import importlib
 import logging
 import socket
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import uvicorn
-
-from kvharbor.dashboard.app import build_app, build_metrics_app
 from kvharbor.dashboard.config_edit import ConfigEditor
 from kvharbor.dashboard.guard import addresses, exposure_problem
 from kvharbor.dashboard.history import History
@@ -37,8 +39,13 @@ from kvharbor.dashboard.hooks import GatewayHooks
 from kvharbor.dashboard.logbuffer import RecentLog
 from kvharbor.telemetry.log import get_logger
 
+if TYPE_CHECKING:
+    import uvicorn
+
 _log = get_logger("kvharbor.dashboard")
 
+WEB_STACK = ("starlette", "uvicorn")
+"""What the dashboard needs beyond the gateway: imported only when it starts."""
 LISTEN_BACKLOG = 64
 STOP_TIMEOUT_S = 5.0
 """How long `Dashboard.stop` waits for uvicorn to finish the requests it serves."""
@@ -108,6 +115,13 @@ class Dashboard:
         gateway serves on without a dashboard."""
         try:
             return cls._serve(hooks)
+        except ImportError as err:
+            _log.error(
+                "kvharbor: dashboard not started: %s is not installed (%s); the gateway serves on without it "
+                "and without /metrics. Install kvharbor with its dependencies (pip install kvharbor)",
+                err.name or "a module it needs", err,
+            )  # fmt: skip
+            return None
         except Exception as err:
             _log.exception("kvharbor: dashboard not started: internal error %s; the gateway serves on without it", err)
             return None
@@ -117,6 +131,10 @@ class Dashboard:
         settings = hooks.config().dashboard
         if not settings.enabled:
             return None
+        for module in WEB_STACK:  # Before any port is bound; ImportError: no dashboard, said by `start`.
+            importlib.import_module(module)
+        from kvharbor.dashboard.app import build_app, build_metrics_app
+
         problem = exposure_problem(settings)
         if problem is not None:
             _log.error("kvharbor: dashboard not started: %s; the gateway serves on without it", problem)
@@ -189,6 +207,8 @@ class Dashboard:
 
 
 def _server(app: Any, header_bytes_max: int) -> uvicorn.Server:
+    import uvicorn
+
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
         logging.getLogger(name).setLevel(logging.ERROR)
     config = uvicorn.Config(

@@ -6,6 +6,7 @@ start-up decisions (ports taken, a bind beyond loopback) start gateways of their
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -292,6 +293,25 @@ def test_dashboard_disabled(lab: Lab) -> None:
     gateway = lab.gateway(lab.config(dashboard={"enabled": False})).start()
     assert ports_of(gateway) is None
     assert "dashboard at" not in gateway.log()
+
+
+@pytest.mark.parametrize("missing", ["uvicorn", "starlette"])
+def test_a_gateway_without_the_web_stack_serves_engines(lab: Lab, tmp_path: Path, missing: str) -> None:
+    """An install that left out the dashboard's packages (seen on a GPU image without uvicorn):
+    no dashboard, said once naming the package; engines are served as ever."""
+    shadow = tmp_path / "without"
+    shadow.mkdir()
+    absent = f"raise ModuleNotFoundError(\"No module named '{missing}'\", name={missing!r})\n"
+    (shadow / f"{missing}.py").write_text(absent)
+    path = os.pathsep.join([str(shadow), *filter(None, [os.environ.get("PYTHONPATH")])])
+    gateway = lab.gateway(lab.config(), prefix=["env", f"PYTHONPATH={path}"]).start()
+    assert ports_of(gateway) is None
+    assert gateway.log().count(f"kvharbor: dashboard not started: {missing} is not installed") == 1
+    assert "Traceback" not in gateway.log()
+    with closing_client(gateway.client("engine")) as client:
+        stored = keys_of(3, tag=9)
+        put_values(client, [(key, 1000) for key in stored])
+        assert client.lookup(stored, CHUNK_TOKENS) == 3
 
 
 def test_the_dashboard_stops_with_the_gateway(lab: Lab, tmp_path: Path) -> None:
