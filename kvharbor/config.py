@@ -106,12 +106,17 @@ class EngineSection(_Section):
     def save_staging_bytes_max(self) -> int:
         return self.save_staging_mb_max * MIB
 
+    @property
+    def chunk_size_set(self) -> bool:
+        """``chunk_size`` was given (file, environment or override), not left to its default."""
+        return "chunk_size" in self.model_fields_set
+
     def chunk_size_for(self, block_size: int) -> int:
         """The chunk size of a vLLM engine whose KV blocks hold ``block_size`` tokens:
         ``chunk_size`` where it was set (the connector refuses one that is not whole blocks),
         else the default rounded up to whole blocks (hybrid models run with blocks of 512
         tokens or more, which the default 256 would not divide)."""
-        if "chunk_size" in self.model_fields_set or self.chunk_size % block_size == 0:
+        if self.chunk_size_set or self.chunk_size % block_size == 0:
             return self.chunk_size
         return -(-self.chunk_size // block_size) * block_size
 

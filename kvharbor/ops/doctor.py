@@ -184,17 +184,16 @@ def pick_layout(
         return matches[0], Finding("layout", Verdict.INFO, f"keys for layout {matches[0].short} (--layout)")
     engine = config.engine
     # Left unset, the chunk size is the engine's to choose (whole blocks, an SGLang page).
-    chunk_set = "chunk_size" in engine.model_fields_set
     fits = [
         layout
         for layout in layouts
-        if (layout.fingerprint.chunk_size == engine.chunk_size or not chunk_set)
+        if (layout.fingerprint.chunk_size == engine.chunk_size or not engine.chunk_size_set)
         and layout.fingerprint.key_namespace == engine.key_namespace
         and layout.fingerprint.tp_rank == 0
         and layout.fingerprint.pp_rank == 0
     ]
     if not fits:
-        wanted = f"engine.chunk_size {engine.chunk_size} and " if chunk_set else ""
+        wanted = f"engine.chunk_size {engine.chunk_size} and " if engine.chunk_size_set else ""
         return None, Finding(
             "layout",
             Verdict.PROBLEM,

@@ -55,7 +55,15 @@ class StartGateway(Model):
     """The release the gateway says it is (None: this one): a gateway of another release."""
 
 
-class EngineChange(Model):
+class Change(Model):
+    """A change of some settings: each field left None stays as it is."""
+
+    def given(self) -> dict[str, Any]:
+        """The fields this change sets, with their new values."""
+        return {k: v for k, v in self.model_dump().items() if v is not None}
+
+
+class EngineChange(Change):
     """Fields of `EngineSetup` that differ from the scenario's setup (a changed layout, salt rule, release)."""
 
     model: str | None = None
@@ -68,7 +76,7 @@ class EngineChange(Model):
     release: str | None = None
 
     def applied(self, base: EngineSetup) -> EngineSetup:
-        return base.model_copy(update={k: v for k, v in self.model_dump().items() if v is not None})
+        return base.model_copy(update=self.given())
 
 
 class Prompt(Model):
@@ -85,7 +93,7 @@ class Send(Model):
     """Send the whole list this many times, in order."""
 
 
-class CardChange(Model):
+class CardChange(Change):
     """The config's ``card`` settings that differ from now (a changed fragment size, key eviction)."""
 
     fragment_bytes: int | None = Field(None, ge=4096)
@@ -172,7 +180,7 @@ def _send(world: World, p: Send) -> str:
 
 
 def _set_card(world: World, p: CardChange) -> str:
-    changes = {k: v for k, v in p.model_dump().items() if v is not None}
+    changes = p.given()
     world.set_card(changes)
     return "card settings changed in the config: " + ", ".join(f"card.{k} {v}" for k, v in changes.items())
 

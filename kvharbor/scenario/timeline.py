@@ -49,7 +49,7 @@ def check_timeline(scenario: Scenario) -> tuple[Step | None, str] | None:
                 return step, "same_output needs the vllm driver (the light engine generates no text)"
             continue
         if isinstance(step.params, EngineChange) and setup.driver == "vllm":
-            ignored = vllm_ignores({k for k, v in step.params.model_dump().items() if v is not None})
+            ignored = vllm_ignores(set(step.params.given()))
             if ignored:
                 return step, vllm_refusal(ignored)
         spec = ACTIONS[step.kind]

@@ -65,7 +65,7 @@ def build_layout(storage_config: Any, pool: Any, page_bytes: int, config: Config
     `HiCacheStorageConfig`); raises `BackendRefusal` naming the flag or key to change."""
     page_size = int(pool.page_size)
     engine = config.engine
-    if "chunk_size" in engine.model_fields_set and engine.chunk_size != page_size:
+    if engine.chunk_size_set and engine.chunk_size != page_size:
         raise BackendRefusal(
             f"engine.chunk_size is {engine.chunk_size} tokens but SGLang's --page-size is {page_size}: "
             "kvharbor stores one object per SGLang page; leave engine.chunk_size unset or make it "
