@@ -13,9 +13,10 @@ the kernel sees only that user: its socket credentials, its file access.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
-import runpy
 import sys
+from types import CodeType
 
 ENV = "KVHARBOR_TEST_AS_USER"
 """A worker that finds this variable (``UID:GID:GIDS``) calls `become` with it itself."""
@@ -38,7 +39,9 @@ def spec(uid: int, gid: int, groups: list[int]) -> str:
 def become(text: str) -> None:
     """Drop to the user of ``text`` (`spec`'s form) for good; only root may."""
     uid, gid, groups = text.split(":")
-    for name in PRELOAD:
+    from kvharbor.cli import COMMAND_MODULES  # Every command `build_parser` imports.
+
+    for name in (*PRELOAD, *COMMAND_MODULES):
         importlib.import_module(name)
     os.setgroups([int(g) for g in groups.split(",") if g])
     os.setgid(int(gid))
@@ -46,13 +49,26 @@ def become(text: str) -> None:
     assert (os.getuid(), os.geteuid()) == (int(uid), int(uid))
 
 
+def main_code(module: str) -> tuple[CodeType, dict[str, object]]:
+    """What ``python -m module`` runs (a package's ``__main__``) and the globals it runs in,
+    read now: after `become` the checkout may be unreadable (a clone in a 0700 directory)."""
+    spec = importlib.util.find_spec(module)
+    if spec is not None and spec.submodule_search_locations is not None:
+        spec = importlib.util.find_spec(f"{module}.__main__")
+    code = spec.loader.get_code(spec.name) if spec is not None and spec.loader is not None else None
+    if spec is None or code is None:
+        raise SystemExit(f"as_user: no module {module} to run")
+    return code, {"__name__": "__main__", "__spec__": spec, "__file__": spec.origin, "__package__": spec.parent}
+
+
 def main(argv: list[str]) -> None:
     text, separator, _python, flag, module, *args = argv
     if separator != "--" or flag != "-m":
         raise SystemExit(f"usage: {__doc__}")
+    code, namespace = main_code(module)
     become(text)
     sys.argv = [module, *args]
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    exec(code, {**namespace, "__builtins__": __builtins__})
 
 
 if __name__ == "__main__":
