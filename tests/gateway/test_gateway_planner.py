@@ -1,13 +1,16 @@
 """The planner against the real system: a trace replayed through a real gateway with a
-simulated card tier hits what `kvharbor plan` predicts for the same capacity.
+simulated card tier, by the scenarios' lightweight engine, hits what `kvharbor plan`
+predicts for the same capacity.
 
 The gateway runs for real (its own socket, shared memory, a card tier ``device:
-sim:PARAMS.yaml`` whose tier budget holds exactly ``CAPACITY_BLOCKS`` values, the
-card itself larger, so the tier's own LRU decides what stays). The test drives a
-real gateway client as an engine's connector does, per request of the first
-``REQUESTS`` of the Mooncake conversation trace: LOOKUP the chunk keys (one per
-hash id), GET and RELEASE the hits (which touches them tail-first), PUT the
-prompt's whole chunks that missed. Keys are derived from the trace's hash ids.
+sim:PARAMS.yaml`` whose tier budget holds exactly ``CAPACITY_CHUNKS`` values, the
+card itself larger, so the tier's own LRU decides what stays). The engine is the
+scenarios' `LightEngine`: vLLM's connector code (the scheduler half's lookup, hit
+bound and read-back of chunks outside RAM, the workers' loads and saves) without
+vLLM. Each of the first ``REQUESTS`` of the Mooncake conversation trace becomes a
+prompt whose every ``BLOCK_TOKENS``-token block is a pure function of its hash id,
+so prompts share a prefix exactly where the trace's hash ids do, and the engine's
+own chunk keys (prefix-chained over the tokens) follow the trace's reuse.
 """
 
 from __future__ import annotations
@@ -17,63 +20,57 @@ from pathlib import Path
 import yaml
 
 from kvharbor.cache.format import HEADER_BYTES
-from kvharbor.config import GIB
-from kvharbor.sim.caches import Policy, hit_tokens, stored_blocks
+from kvharbor.config import GIB, load_config
+from kvharbor.scenario.drivers.light import LightEngine
+from kvharbor.scenario.schema import EngineSetup
+from kvharbor.sim.caches import Policy
 from kvharbor.sim.sweep import sweep
-from kvharbor.sim.workload import read_trace
+from kvharbor.sim.workload import Request, read_trace
 from tests.support.real_gateway import RealGateway
 from tests.support.traces import mooncake_trace
 
 BLOCK_TOKENS = 512
 REQUESTS = 800
-CAPACITY_BLOCKS = 5000
-VALUE_BYTES = 1024
-FINGERPRINT = bytes(range(16))
+CAPACITY_CHUNKS = 5000
+ENGINE = EngineSetup(chunk_size=BLOCK_TOKENS, block_size=16, layers=1, kv_heads=1, head_size=4)
+"""A chunk of this shape is 2 (K, V) x 512 tokens x 4 x 2 bytes = 8 KiB: the trace's traffic stays small."""
 
 
-def chunk_key(hash_id: int) -> bytes:
-    return b"kvh-plan" + hash_id.to_bytes(8, "big")
+def prompt(request: Request) -> list[int]:
+    """The request's token ids: block i holds ids that only its hash id gives."""
+    tokens = [hash_id * BLOCK_TOKENS + j for hash_id in request.blocks for j in range(BLOCK_TOKENS)]
+    return tokens[: request.input_tokens]
 
 
-def test_a_real_gateway_with_a_simulated_card_hits_what_the_planner_predicts(tmp_path: Path) -> None:
+def test_the_light_engine_through_a_real_gateway_and_simulated_card_hits_what_the_planner_predicts(
+    tmp_path: Path,
+) -> None:
     requests = read_trace(mooncake_trace(), BLOCK_TOKENS)[:REQUESTS]
+    chunk_bytes = 2 * BLOCK_TOKENS * ENGINE.kv_heads * ENGINE.head_size * 2 * ENGINE.layers
     params = tmp_path / "card.yaml"
-    params.write_text(yaml.safe_dump({"capacity_bytes": 64 << 20, "time_scale": 0.001}))
-    entry_bytes = VALUE_BYTES + HEADER_BYTES
-    tiers = [
-        {
-            "name": "card",
-            "type": "nvme",
-            "device": f"sim:{params}",
-            "capacity_gb": CAPACITY_BLOCKS * entry_bytes / GIB,
-        }
-    ]
+    params.write_text(yaml.safe_dump({"capacity_bytes": 2 * CAPACITY_CHUNKS * chunk_bytes, "time_scale": 0.001}))
+    tier_gb = CAPACITY_CHUNKS * (chunk_bytes + HEADER_BYTES) / GIB
+    tiers = [{"name": "card", "type": "nvme", "device": f"sim:{params}", "capacity_gb": tier_gb}]
     gateway = RealGateway(tmp_path / "gateway", tiers=tiers).start()
+    engine_section = {"engine": {"chunk_size": ENGINE.chunk_size}}
+    config = load_config(gateway.config_path, environ={}, overrides=engine_section)
     try:
-        client = gateway.client("planner-check")
-        measured = 0
-        for request in requests:
-            keys = [chunk_key(h) for h in request.blocks]
-            hits = client.lookup(keys)
-            measured += hit_tokens(request.input_tokens, hits, BLOCK_TOKENS)
-            if hits:
-                batch = client.get(FINGERPRINT, keys[:hits])
-                assert len(batch.views) == hits, "a chunk LOOKUP found was not served"
-                client.release(batch)
-            misses = list(stored_blocks(request.input_tokens, keys, BLOCK_TOKENS))[hits:]
-            if misses:
-                put = client.prepare_put(FINGERPRINT, [(key, VALUE_BYTES) for key in misses])
-                for view in put.views:
-                    if view is not None:
-                        view[:] = b"\x5a" * VALUE_BYTES
-                client.commit_put(put)
+        engine = LightEngine(config, ENGINE, "planner-check")
+        try:
+            outcomes = [engine.request(f"r{i}", prompt(r), None) for i, r in enumerate(requests)]
+            assert not engine.cache_off, engine.off_reason
+        finally:
+            engine.close()
+        gateway.settle()
         (card,) = gateway.status().store.tiers
-        client.close()
     finally:
         gateway.close()
-    assert card.keys == CAPACITY_BLOCKS, "the tier's budget holds exactly the planned capacity, and it filled"
-    (predicted,) = sweep(requests, [CAPACITY_BLOCKS * BLOCK_TOKENS], BLOCK_TOKENS, Policy.LRU)
-    measured_rate = measured / predicted.prompt_tokens
-    print(f"planner {predicted.token_hit_rate:.4f} vs real gateway {measured_rate:.4f} at {CAPACITY_BLOCKS} chunks")
-    assert measured_rate > 0.05, "the capacity is one where the cache matters"
-    assert abs(predicted.token_hit_rate - measured_rate) <= 0.02
+    assert engine.layout.chunk_bytes == chunk_bytes, "the tier's budget is counted in this engine's chunks"
+    assert card.keys == CAPACITY_CHUNKS, "the tier's budget holds exactly the planned capacity, and it filled"
+    assert sum(o.wrong_bytes for o in outcomes) == 0
+    measured = sum(o.cached_tokens for o in outcomes) / sum(o.prompt_tokens for o in outcomes)
+    (predicted,) = sweep(requests, [CAPACITY_CHUNKS * BLOCK_TOKENS], BLOCK_TOKENS, Policy.LRU)
+    assert predicted.prompt_tokens == sum(o.prompt_tokens for o in outcomes)
+    print(f"planner {predicted.token_hit_rate:.4f} vs light engine {measured:.4f} at {CAPACITY_CHUNKS} chunks")
+    assert measured > 0.05, "the capacity is one where the cache matters"
+    assert abs(predicted.token_hit_rate - measured) <= 0.02
