@@ -39,9 +39,10 @@ def spec(uid: int, gid: int, groups: list[int]) -> str:
 def become(text: str) -> None:
     """Drop to the user of ``text`` (`spec`'s form) for good; only root may."""
     uid, gid, groups = text.split(":")
-    from kvharbor.cli import COMMAND_MODULES  # Every command `build_parser` imports.
+    from kvharbor.cli import build_parser
 
-    for name in (*PRELOAD, *COMMAND_MODULES):
+    build_parser()  # Every command's `add_parser`, and what each imports to build it.
+    for name in PRELOAD:
         importlib.import_module(name)
     os.setgroups([int(g) for g in groups.split(",") if g])
     os.setgid(int(gid))
