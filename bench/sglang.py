@@ -9,7 +9,12 @@ gateway`` subprocess with a RAM tier; in one run, best of ``--repeats``:
 - **memcpy**: one copy of the same number of bytes between two host buffers.
 
 Ratios are memcpy's time over the call's (1.0x: as fast as one memcpy; target >= 0.5x).
-Nothing is asserted.
+
+Then (unless ``--no-engine``) the engine test's restart, timed: a real SGLang engine process
+on the CPU (`tests/sglang/engine_rig`, the tiny Llama, ``KVHARBOR=1``) answers a prompt of
+``--engine-tokens`` cold; a second process, with a new gateway, answers it again from
+kvharbor's file tier. ``restart_vs_cold`` is the restarted answer's time over the cold one's
+(each the first answer of a fresh process; lower is better). Nothing is asserted.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent))
@@ -37,6 +43,8 @@ install()  # SGLang imports torchvision, whose PyPI build does not import on a C
 
 import torch  # noqa: E402
 
+from kvharbor.demo.model import build_tiny_model  # noqa: E402
+from tests.sglang.engine_rig import bound_tokens, run_engine, write_config  # noqa: E402
 from tests.sglang.sglang_rig import backend, host_pool  # noqa: E402
 
 
@@ -55,6 +63,8 @@ def main() -> None:
     parser.add_argument("--page-size", type=int, default=64, help="tokens per page")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--no-engine", action="store_true", help="leave the engine restart out")
+    parser.add_argument("--engine-tokens", type=int, default=3000, help="the engine prompt's tokens")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="kvh-bench-sglang-") as tmp, gateway(Path(tmp), 512, 4, 64) as _:
         (config,) = Path(tmp).glob("bench-*.yaml")  # The gateway's own config: the same storage.
@@ -104,7 +114,29 @@ def main() -> None:
             "batch_get_v1_vs_memcpy": times["memcpy"] / times["get"],
         }
         storage.close()
+    if not args.no_engine:
+        restart_figures, restart_ratios = engine_restart(args.engine_tokens)
+        figures.update(restart_figures)
+        ratios.update(restart_ratios)
     emit(figures, ratios, args.json)
+
+
+def engine_restart(prompt_tokens: int) -> tuple[dict[str, Any], dict[str, float]]:
+    with tempfile.TemporaryDirectory(prefix="kvh-bench-sglang-engine-") as tmp:
+        directory = Path(tmp)
+        model = build_tiny_model(directory / "model")
+        config = write_config(directory)
+        cold, _ = run_engine(model, config, 2, directory / "engine-1.log", prompt_tokens)
+        (restarted,) = run_engine(model, config, 1, directory / "engine-2.log", prompt_tokens)
+    figures = {
+        "engine_prompt_tokens": prompt_tokens,
+        "engine_bound_tokens": bound_tokens(prompt_tokens),
+        "engine_restart_storage_tokens": restarted.storage_tokens,
+        "engine_cold_s": cold.seconds,
+        "engine_restart_s": restarted.seconds,
+        "engine_same_output": restarted.output_ids == cold.output_ids,
+    }
+    return figures, {"restart_vs_cold": restarted.seconds / cold.seconds}
 
 
 if __name__ == "__main__":
