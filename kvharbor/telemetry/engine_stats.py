@@ -96,6 +96,11 @@ ENGINE_STATS: tuple[EngineStat, ...] = (
     EngineStat("bad_salt_skipped", "Requests not cached because their cache_salt was not a string"),
     EngineStat("short_prompts", "Prompts shorter than one chunk (nothing to look up)"),
     EngineStat(
+        "window_unsaved",
+        "Chunks not saved because their blocks had left the sliding window (future misses)",
+        shown=Shown.HIDDEN,
+    ),
+    EngineStat(
         "chose_recompute", "Requests whose stored prefix was recomputed because loading it was predicted slower"
     ),
     EngineStat("loads_cut", "Restores stopped part-way because the rest would arrive slower than it recomputes"),

@@ -103,7 +103,7 @@ def test_blocks_larger_than_the_default_chunk_choose_whole_block_chunks(lab: Lab
     whole blocks (here one 512-token block) instead of refusing the model."""
     large = {"llm": {"block_size": 512}, "rounds": [[request(LONG)]]}
     first = lab.run(large).ok()
-    assert "kvharbor: engine.chunk_size is unset and vLLM's blocks hold 512 tokens: chunks of 512 tokens" in first.log
+    assert "kvharbor: engine.chunk_size is unset: chunks of 512 tokens (whole 512-token blocks of vLLM;" in first.log
     assert lab.stored_objects() == len(LONG) // 512
     restarted = lab.run(large).ok()
     assert restarted.rounds()[0]["external_hits"] == bound(len(LONG), chunk=512, block=512) == 512

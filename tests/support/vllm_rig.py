@@ -27,7 +27,13 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
@@ -69,8 +75,11 @@ class SchedulerRig:
         max_batched_tokens: int = 4096,
         prefix_caching: bool = True,
         engine: dict[str, Any] | None = None,
+        sliding_window: int | None = None,
         gateway: RealGateway,
     ) -> None:
+        """``sliding_window``: the KV cache is one sliding-window group of that many tokens
+        (vLLM's scheduler then frees blocks out of the window, and pads with its null block)."""
         extra = {"engine": engine or {}}
         transfer = KVTransferConfig(
             kv_connector="KVHarborConnector",
@@ -92,7 +101,12 @@ class SchedulerRig:
         assert self.vllm_config.cache_config.block_size == BLOCK
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
         layers = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
-        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float32)
+        shape: dict[str, Any] = {"block_size": BLOCK, "num_kv_heads": 2, "head_size": 64, "dtype": torch.float32}
+        spec: AttentionSpec = (
+            FullAttentionSpec(**shape)
+            if sliding_window is None
+            else SlidingWindowSpec(**shape, sliding_window=sliding_window)
+        )
         self.kv_cache_config = KVCacheConfig(
             num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(layers, spec)]
         )

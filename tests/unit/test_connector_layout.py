@@ -83,14 +83,58 @@ def test_a_chunk_size_that_was_set_is_kept_or_refused() -> None:
 
 
 def test_a_cache_it_cannot_exchange_is_refused_by_name() -> None:
-    vllm_config, kv_cache_config = engine()
-    window = SlidingWindowSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.float32, sliding_window=512)
-    kv_cache_config.kv_cache_groups.append(KVCacheGroupSpec(["model.layers.4.self_attn.attn"], window))
+    vllm_config, kv_cache_config = engine(**{"scheduler_config.watermark": 0.5})
+    mamba = MambaSpec(block_size=128, shapes=((4, 64),), dtypes=(torch.float32,))
+    kv_cache_config.kv_cache_groups.append(KVCacheGroupSpec(["model.layers.4.mixer"], mamba))
     with pytest.raises(ConnectorRefusal) as refusal:
         build_layout(vllm_config, kv_cache_config, load_config(environ={}))
     message = str(refusal.value)
     assert "1 of 2 cache group(s)" in message
-    assert "SlidingWindowSpec (layer model.layers.4.self_attn.attn)" in message
+    assert "MambaSpec (layer model.layers.4.mixer)" in message
+
+
+def window_engine(window: int, **changes: Any) -> tuple[Any, Any]:
+    """An engine whose one cache group is sliding-window (every layer attends to ``window``)."""
+    vllm_config, kv_cache_config = engine(**changes)
+    (group,) = kv_cache_config.kv_cache_groups
+    spec = SlidingWindowSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.float32, sliding_window=window)
+    kv_cache_config.kv_cache_groups = [KVCacheGroupSpec(group.layer_names, spec)]
+    return vllm_config, kv_cache_config
+
+
+def test_a_sliding_window_model_is_served_with_chunks_that_fit_its_window() -> None:
+    layout = build_layout(*window_engine(4096), load_config(environ={}))
+    assert (layout.chunk_size, layout.groups[0].sliding_window) == (256, 4096)
+    # Left unset, the chunk shrinks to whole blocks within a small window.
+    assert build_layout(*window_engine(300), load_config(environ={})).chunk_size == 256
+    assert build_layout(*window_engine(200), load_config(environ={})).chunk_size == 128
+    # The window is part of the layout: another window never shares a key.
+    assert build_layout(*window_engine(4096), load_config(environ={})).digests != (
+        build_layout(*window_engine(8192), load_config(environ={})).digests
+    )
+
+
+def test_a_chunk_larger_than_the_window_is_refused_when_it_was_set() -> None:
+    config = load_config(environ={}, overrides={"engine": {"chunk_size": 512}})
+    with pytest.raises(ConnectorRefusal) as refusal:
+        build_layout(*window_engine(300), config)
+    message = str(refusal.value)
+    assert "sliding-window group 0 (window 300 tokens)" in message
+    assert "engine.chunk_size 512 is larger than the window" in message
+
+
+def test_a_sliding_window_group_with_asynchronous_scheduling_is_refused_naming_the_flag() -> None:
+    with pytest.raises(ConnectorRefusal, match="start vLLM with --no-async-scheduling"):
+        build_layout(*window_engine(4096, **{"scheduler_config.async_scheduling": True}), load_config(environ={}))
+
+
+def test_a_sliding_window_group_beside_others_is_refused() -> None:
+    vllm_config, kv_cache_config = engine()
+    window = SlidingWindowSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.float32, sliding_window=512)
+    kv_cache_config.kv_cache_groups.append(KVCacheGroupSpec(["model.layers.4.self_attn.attn"], window))
+    one_of_two = r"sliding-window group 1 \(window 512 tokens\) is one of 2 cache groups"
+    with pytest.raises(ConnectorRefusal, match=one_of_two):
+        build_layout(vllm_config, kv_cache_config, load_config(environ={}))
 
 
 def test_a_hybrid_model_without_reserve_is_refused_with_the_watermark_to_use() -> None:

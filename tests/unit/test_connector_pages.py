@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvharbor.connector.vllm.chunks import blocks_before, chunk_load, contiguous_runs, plan_saves
+from kvharbor.connector.vllm.chunks import (
+    NULL_BLOCK,
+    blocks_before,
+    chunk_load,
+    contiguous_runs,
+    plan_saves,
+    unread_chunks,
+)
 from kvharbor.connector.vllm.layout import ConnectorRefusal
 from kvharbor.connector.vllm.metadata import ChunkTransfer
 from kvharbor.connector.vllm.pages import PageLayers, block_first, block_major
@@ -76,6 +83,18 @@ def test_a_load_that_starts_and_ends_inside_a_chunk() -> None:
     last = chunk_load(2, 4, 2, blocks)
     assert (last.first, list(last.targets)) == (0, [36, 37, 38])  # stops short of the prompt end
     assert list(chunk_load(3, 4, 2, blocks).targets) == []  # past the load: nothing
+
+
+def test_a_sliding_window_load_restores_nothing_into_null_blocks_and_skips_whole_null_chunks() -> None:
+    """vLLM pads a sliding-window request's blocks out of the window with its null block."""
+    blocks = [NULL_BLOCK] * 5 + [40, 41, 42, 43, 44, 45]  # 4 blocks a chunk; 1 of chunk 0 held already
+    assert unread_chunks(4, 1, blocks) == 1  # Chunk 0 (3 blocks here) is all null; chunk 1 is not.
+    partly = chunk_load(1, 4, 1, blocks)
+    assert (partly.first, list(partly.targets), partly.blocks) == (2, [40, 41], 4)
+    whole = chunk_load(2, 4, 1, blocks)
+    assert (whole.first, list(whole.targets), whole.blocks) == (0, [42, 43, 44, 45], 4)
+    assert unread_chunks(4, 0, [NULL_BLOCK] * 8 + [50]) == 2
+    assert unread_chunks(4, 0, [50, 51, 52, 53]) == 0  # Full attention: every chunk is read.
 
 
 def test_save_planning_flattens_every_transfer_with_the_ranks_keys() -> None:

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from vllm.v1.outputs import KVConnectorOutput
 
+from kvharbor.connector.vllm.chunks import NULL_BLOCK, leading_nulls, unread_chunks
 from kvharbor.connector.vllm.metadata import KVHarborMetadata
 from kvharbor.connector.vllm.stats import KVHarborStats, empty
 from tests.support.real_gateway import RealGateway
@@ -251,3 +252,31 @@ def test_a_salt_that_is_not_a_string_is_a_counted_skip(rig: SchedulerRig) -> Non
     assert rig.side.get_num_new_matched_tokens(request, 0) == (0, False)
     assert rig.side.counters.bad_salt_skipped == 1
     assert rig.gateway.lookups == 0
+
+
+def test_a_sliding_window_request_saves_live_blocks_and_restores_into_the_window(
+    tiny_model: Path, real_gateway: RealGateway
+) -> None:
+    """vLLM's own scheduler with a sliding-window cache (512 tokens, 128-token blocks): it
+    frees blocks out of the window as the prefill goes, and pads a restore's with its null
+    block. kvharbor saves each chunk from live blocks in the step that computes it, and a
+    restore's chunks wholly out of the window are not read."""
+    rig = SchedulerRig(tiny_model, gateway=real_gateway, max_batched_tokens=512, sliding_window=512)
+    tokens = prompt(1500)
+    keys = rig.keys(tokens)
+    rig.add("cold", tokens, max_tokens=2)
+    steps = rig.run()
+    assert saved_keys(steps) == keys  # 5 whole chunks, each once.
+    assert all(NULL_BLOCK not in save.block_ids for step in steps for save in step.meta.saves)
+    assert rig.total(steps, "window_unsaved") == 0
+
+    restart = SchedulerRig(tiny_model, gateway=real_gateway, sliding_window=512)
+    request = restart.request("warm", tokens)
+    matched, _ = restart.side.get_num_new_matched_tokens(request, 0)
+    assert matched == bound(1500) == 1280
+    restart.add("warm", tokens, max_tokens=2)
+    (load,) = restart.step().meta.loads
+    # 1280 restored tokens: the window before the next token holds tokens 769 .. 1279, so
+    # vLLM holds no block for the first 6 (768 tokens): chunks 0 .. 2 are not read.
+    assert leading_nulls(load.block_ids) == 6 and NULL_BLOCK not in load.block_ids[6:]
+    assert unread_chunks(restart.layout.blocks_per_chunk, load.skip_blocks, load.block_ids) == 3

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvharbor.connector.vllm.chunks import chunk_load, plan_saves
+from kvharbor.connector.vllm.chunks import blocks_before, chunk_load, plan_saves, unread_chunks
 from kvharbor.connector.vllm.copier import MIB, PageCopy, StagingUnavailable, StepSave
 from kvharbor.connector.vllm.pinning import PinError, PinnedMapping, Register
 from kvharbor.gateway.shm import ShmUnavailable
@@ -162,22 +162,25 @@ class DataPath:
             return 0
         mapping, copy = self.mappings[0], self.copy
         per, size = copy.blocks_per_chunk, copy.chunk_bytes
+        keys = transfer.keys[self.rank]
+        # Chunks wholly out of a sliding window restore nothing: not read at all.
+        unread = min(unread_chunks(per, transfer.skip_blocks, transfer.block_ids), len(keys))
         accepted: list[int] = []
 
         def sink(i: int, view: memoryview) -> None:
             if view.nbytes != size or len(accepted) != i:
                 return  # Another layout's bytes, or a gap: restore nothing more.
-            plan = chunk_load(i, per, transfer.skip_blocks, transfer.block_ids)
+            plan = chunk_load(unread + i, per, transfer.skip_blocks, transfer.block_ids)
             if plan.targets:
                 copy.stage_load(mapping, view, plan.first, plan.targets)
-                accepted.append(len(plan.targets))
+                accepted.append(plan.blocks)
 
         def go_on(done: int) -> bool:
             return len(accepted) >= done and (proceed is None or proceed(done))
 
         chunks = self._load_link.load_streamed(
             self.fingerprint,
-            transfer.keys[self.rank],
+            keys[unread:],
             copy.chunks_per_load,
             sink,
             lambda: copy.flush_load(mapping),
@@ -185,7 +188,8 @@ class DataPath:
         )
         restored = min(chunks, len(accepted))
         self._count(loaded_chunks=restored, loaded_bytes=restored * size)
-        return sum(accepted[:restored])
+        unread_blocks = min(blocks_before(unread, per, transfer.skip_blocks), len(transfer.block_ids))
+        return unread_blocks + sum(accepted[:restored])
 
     def wait_layer(self, layer_name: str) -> None:
         index = self.layer_index.get(layer_name)

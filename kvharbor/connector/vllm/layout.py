@@ -35,6 +35,8 @@ class CacheGroup:
     layer_names: tuple[str, ...]
     page_bytes: int
     descriptor: str
+    sliding_window: int | None = None
+    """Tokens a layer of a sliding-window group attends to; None for the other kinds."""
 
 
 def describe_groups(kv_cache_config: Any) -> list[CacheGroup]:
@@ -48,15 +50,26 @@ def describe_groups(kv_cache_config: Any) -> list[CacheGroup]:
             if value is not None:
                 fields.append(f"{name}={value}")
         descriptor = f"{kind}[{len(group.layer_names)}]({','.join(fields)})"
-        groups.append(CacheGroup(index, kind, tuple(group.layer_names), int(spec.page_size_bytes), descriptor))
+        window = getattr(spec, "sliding_window", None) if kind == SLIDING_WINDOW else None
+        groups.append(
+            CacheGroup(
+                index,
+                kind,
+                tuple(group.layer_names),
+                int(spec.page_size_bytes),
+                descriptor,
+                None if window is None else int(window),
+            )
+        )
     return groups
 
 
-_EXCHANGEABLE = {"FullAttentionSpec"}
+SLIDING_WINDOW = "SlidingWindowSpec"
+_EXCHANGEABLE = {"FullAttentionSpec", SLIDING_WINDOW}
 """Spec kinds whose pages the connector knows how to store and restore."""
 
 
-def check_groups(groups: Sequence[CacheGroup], vllm_config: Any, num_gpu_blocks: int) -> None:
+def check_groups(groups: Sequence[CacheGroup], vllm_config: Any, num_gpu_blocks: int, chunk_size: int) -> None:
     """Refuse, naming the cache, when a group cannot be exchanged safely."""
     mamba = [g for g in groups if "Mamba" in g.kind]
     if mamba:
@@ -72,6 +85,43 @@ def check_groups(groups: Sequence[CacheGroup], vllm_config: Any, num_gpu_blocks:
             f"KV cache registry: {len(foreign)} of {len(groups)} cache group(s) have no writer the connector "
             f"can reach; first of each kind: {names}. kvharbor exchanges full-attention caches only "
             "(tell us the model and this line)"
+        )
+    for group in groups:
+        if group.kind == SLIDING_WINDOW:
+            check_sliding_window(group, len(groups), vllm_config, chunk_size)
+
+
+def check_sliding_window(group: CacheGroup, group_count: int, vllm_config: Any, chunk_size: int) -> None:
+    """A sliding-window group is stored as full attention is, chunk by chunk, in the step that
+    computes the chunk; vLLM frees a request's blocks that fall out of the window as it goes
+    (their place in the request's block table becomes the null block). A save reads blocks
+    that are live only while all of that holds:
+
+    - the chunk fits the window: a chunk completed by a step began at most chunk_size - 1
+      tokens before the step, and vLLM keeps the last window - 1 tokens before it;
+    - the save has read them before vLLM schedules again: asynchronous scheduling frees and
+      hands out blocks for the next step while this one runs;
+    - one group: vLLM's hybrid allocator (other groups beside it) is not supported yet.
+    """
+    window = group.sliding_window
+    if group_count > 1:
+        raise ConnectorRefusal(
+            f"sliding-window group {group.index} (window {window} tokens) is one of {group_count} cache groups: "
+            "kvharbor exchanges a sliding-window model whose every layer attends to the window (one group), "
+            "not vLLM's hybrid groups yet"
+        )
+    if window is None or window < chunk_size:
+        raise ConnectorRefusal(
+            f"sliding-window group {group.index} (window {window} tokens): engine.chunk_size {chunk_size} is larger "
+            "than the window, so a chunk's first blocks could leave the window before the chunk is saved; set "
+            "engine.chunk_size to a multiple of the block size no larger than the window (left unset, kvharbor "
+            "chooses one)"
+        )
+    if getattr(vllm_config.scheduler_config, "async_scheduling", False):
+        raise ConnectorRefusal(
+            f"sliding-window group {group.index} (window {window} tokens): with asynchronous scheduling vLLM may "
+            "free blocks that fall out of the window and give them to another request while a save still reads "
+            "them; start vLLM with --no-async-scheduling"
         )
 
 
@@ -135,15 +185,19 @@ def build_layout(vllm_config: Any, kv_cache_config: Any, config: Config) -> Vllm
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     block_size = int(cache.block_size)
+    groups = describe_groups(kv_cache_config)
     chunk_size = config.engine.chunk_size_for(block_size)
+    windows = [g.sliding_window for g in groups if g.sliding_window is not None]
+    if windows and not config.engine.chunk_size_set and min(windows) < chunk_size:
+        # A sliding-window model's chunk must fit its window (`check_sliding_window`).
+        chunk_size = max(block_size, min(windows) // block_size * block_size)
     if chunk_size % block_size:
         raise ConnectorRefusal(
             f"engine.chunk_size {chunk_size} must be a multiple of vLLM's block size {block_size}: "
             f"set engine.chunk_size to {max(1, chunk_size // block_size) * block_size} "
             f"or --block-size to a divisor of {chunk_size}"
         )
-    groups = describe_groups(kv_cache_config)
-    check_groups(groups, vllm_config, int(kv_cache_config.num_blocks))
+    check_groups(groups, vllm_config, int(kv_cache_config.num_blocks), chunk_size)
     tp_size = int(parallel.tensor_parallel_size)
     pp_size = int(parallel.pipeline_parallel_size)
     device = str(getattr(vllm_config.device_config, "device_type", "") or "")

@@ -26,6 +26,7 @@ from kvharbor.cache.keys import ChunkKey
 from kvharbor.config import Config
 from kvharbor.connector.link import CacheLink
 from kvharbor.connector.verifier import Verification, Verifier
+from kvharbor.connector.vllm.chunks import leading_nulls
 from kvharbor.connector.vllm.layout import VllmLayout
 from kvharbor.connector.vllm.metadata import ChunkTransfer, KVHarborMetadata
 from kvharbor.connector.vllm.stats import empty
@@ -75,6 +76,8 @@ class SchedulerCounters:
     """Prompts shorter than one chunk: nothing to look up."""
     chose_recompute: int = 0
     """Requests whose stored prefix was recomputed: loading it was predicted slower."""
+    window_unsaved: int = 0
+    """Chunks not saved: vLLM had freed their blocks, out of a sliding window, before the save."""
 
     def snapshot(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -415,6 +418,21 @@ class SchedulerSide:
         if done <= state.saved_chunks:
             return
         first = state.saved_chunks
+        # Null blocks (they lead) are out of a sliding window: vLLM freed them, nothing is left
+        # to save there. `check_sliding_window` keeps a step's new chunks clear of them.
+        nulls = leading_nulls(state.block_ids[first * per_chunk : done * per_chunk])
+        if nulls:
+            skipped = min(done, first + -(-nulls // per_chunk)) - first
+            self.counters.window_unsaved += skipped
+            self._once.say(
+                "window-unsaved",
+                f"{skipped} chunk(s) of request {req_id} had left the sliding window before they could be saved "
+                "(counted in window_unsaved; the prompt's later chunks are then not reachable either)",
+            )
+            first += skipped
+            state.saved_chunks = first
+            if first >= done:
+                return
         meta.saves.append(
             ChunkTransfer(
                 request_id=req_id,

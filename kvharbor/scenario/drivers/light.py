@@ -114,7 +114,7 @@ class LightEngine:
         self.saves = [CacheLink(config, f"{name} rank {r} save", connect, self.switch) for r in range(setup.tp_size)]
         self._namespace = namespace_tag(setup.key_namespace)
         self._ids = itertools.count()
-        self._next_block = 0
+        self._next_block = 1  # Block 0 is vLLM's null block (`chunks.NULL_BLOCK`): never a request's.
         self.link.start()
         verifier.link.start()
         for rank, link in enumerate(self.loads):
