@@ -34,7 +34,8 @@ def kvharbor_cli(*args: str) -> subprocess.CompletedProcess[str]:
 def test_restart_restores_the_bound_with_identical_output(lab: Lab) -> None:
     rounds = {"rounds": [[request(LONG)], [request(PARTIAL)], [request(ROUND)]]}
     reference = lab.run(rounds, lab.env(kvharbor=False)).ok()
-    assert "kvharbor" not in reference.log.replace("kvharbor.yaml", "")
+    # No line of kvharbor's (the checkout's own path may hold the word: a clone named kvharbor).
+    assert "kvharbor: " not in reference.log
     expected = {tag: r["tokens"] for tag, r in reference.requests().items()}
 
     first = lab.run({"rounds": [[request(LONG)], [request(ROUND)]]}).ok()

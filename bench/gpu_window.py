@@ -1,0 +1,157 @@
+"""A sliding-window model on a GPU engine: one vLLM process stores a prompt, the next restores it.
+
+    python bench/gpu_window.py [--out DIR] [--tokens 2000] [--window 512] [--shape tiny|7b]
+
+Builds the tiny random Llama (`kvharbor.demo.model`) and its sliding-window twin (a Mistral
+whose every layer attends to ``--window`` tokens, `tests.support.tiny_model`); with ``--shape
+7b`` both get Mistral-7B's shape instead (32 layers, 8 KV heads of 128, bf16, random weights
+through ``load_format="dummy"``: 128 KiB of KV per token) and answer one token. Then for each
+runs two engine processes one after the other with ``KVHARBOR=1`` and the default embedded
+gateway (which lingers between them, holding its RAM tier): the first answers the prompt
+cold, the second answers it again. The sliding-window model runs with asynchronous
+scheduling off (kvharbor refuses it for such a model), and once more with vLLM's default, to
+show what that default does. Prints one JSON line per engine: the tokens restored
+(``num_cached_tokens``), the output ids and the answer's time; then a summary line.
+Nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+MAX_TOKENS = 8
+
+
+def prompt(tokens: int) -> list[int]:
+    rng = random.Random(11)
+    return [rng.randrange(10, 4000) for _ in range(tokens)]
+
+
+SEVEN_B = {
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "intermediate_size": 14336,
+    "vocab_size": 32768,
+    "max_position_embeddings": 65536,
+    "torch_dtype": "bfloat16",
+}
+"""Mistral-7B's shape (its ``config.json``), written over the tiny model's."""
+
+
+def seven_b(source: Path, path: Path, window: int | None) -> Path:
+    """A config-only model of Mistral-7B's shape (random weights at load), with the tiny
+    model's tokenizer; every layer attends to ``window`` tokens, or to all (None)."""
+    path.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        (path / name).write_bytes((source / name).read_bytes())
+    config = json.loads((source / "config.json").read_text())
+    config.update(SEVEN_B, architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=window)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+def engine(model: str, tokens: int, asynchronous: str) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kwargs: dict[str, Any] = {} if asynchronous == "default" else {"async_scheduling": asynchronous == "on"}
+    large = json.loads((Path(model) / "config.json").read_text())["hidden_size"] == SEVEN_B["hidden_size"]
+    if large:
+        kwargs.update(load_format="dummy", dtype="bfloat16", gpu_memory_utilization=0.8, max_model_len=tokens + 64)
+    else:
+        kwargs.update(gpu_memory_utilization=0.3, max_model_len=4096)
+    llm = LLM(model=model, enforce_eager=True, **kwargs)
+    params = SamplingParams(max_tokens=1 if large else MAX_TOKENS, temperature=0)
+    start = time.perf_counter()
+    (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt(tokens))], params)
+    seconds = time.perf_counter() - start
+    answer = {"cached": out.num_cached_tokens, "output": list(out.outputs[0].token_ids), "seconds": seconds}
+    print("ANSWER " + json.dumps(answer), flush=True)
+
+
+def run(model: Path, tokens: int, asynchronous: str, config: Path, log: Path) -> dict[str, Any]:
+    env = {**os.environ, "KVHARBOR": "1", "KVHARBOR_CONFIG": str(config)}
+    command = [
+        sys.executable,
+        __file__,
+        "--engine",
+        str(model),
+        "--tokens",
+        str(tokens),
+        "--asynchronous",
+        asynchronous,
+    ]
+    with open(log, "w") as out:
+        done = subprocess.run(command, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=600)
+    text = log.read_text()
+    answers = [json.loads(line[len("ANSWER ") :]) for line in text.splitlines() if line.startswith("ANSWER ")]
+    lines = sorted({line.split("kvharbor: ", 1)[1][:200] for line in text.splitlines() if "kvharbor: " in line})
+    return {"returncode": done.returncode, "answer": answers[0] if answers else None, "kvharbor_lines": lines}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None, help="where the models, configs and logs go (default: a temp dir)")
+    parser.add_argument("--tokens", type=int, default=2000)
+    parser.add_argument("--window", type=int, default=512)
+    parser.add_argument("--shape", default="tiny", choices=("tiny", "7b"))
+    parser.add_argument("--engine", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--asynchronous", default="default", choices=("default", "on", "off"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.engine is not None:
+        engine(args.engine, args.tokens, args.asynchronous)
+        return
+    sys.path.insert(0, str(REPO))
+    from kvharbor.demo.model import build_tiny_model
+    from tests.support.tiny_model import sliding_window_model
+
+    out = Path(args.out or tempfile.mkdtemp(prefix="kvh-gpu-window-"))
+    out.mkdir(parents=True, exist_ok=True)
+    llama = build_tiny_model(out / "llama")
+    window = sliding_window_model(llama, out / "window", args.window)
+    cases: tuple[tuple[str, Path, str], ...] = (
+        ("llama", llama, "default"),
+        ("window", window, "off"),
+        ("window-default", window, "default"),
+    )
+    ram_gb = 2
+    if args.shape == "7b":
+        full, windowed = seven_b(llama, out / "full-7b", None), seven_b(llama, out / "window-7b", args.window)
+        cases = (("full-7b", full, "off"), ("window-7b", windowed, "off"))
+        ram_gb = 2 * args.tokens * 128 * 1024 // 2**30 + 1
+    summary: dict[str, Any] = {"tokens": args.tokens, "window": args.window, "shape": args.shape}
+    for name, model, asynchronous in cases:
+        config = out / f"{name}.yaml"
+        config.write_text(
+            f"gateway:\n  socket: {out / name}.sock\n  shm_name: kvh-gpu-{name}\n"
+            f"storage:\n  tiers:\n    - {{name: ram, type: ram, capacity_gb: {ram_gb}}}\n"
+            f"    - {{name: files, type: file, path: {out / name}-files, capacity_gb: {2 * ram_gb}}}\n"
+        )
+        runs = [run(model, args.tokens, asynchronous, config, out / f"{name}-{i}.log") for i in (1, 2)]
+        for i, result in enumerate(runs, start=1):
+            print(json.dumps({"model": name, "process": i, **result}), flush=True)
+        cold, warm = (r["answer"] for r in runs)
+        if cold and warm:
+            summary[name] = {
+                "restored_tokens": warm["cached"],
+                "same_output": warm["output"] == cold["output"],
+                "restart_vs_cold": warm["seconds"] / cold["seconds"],
+            }
+    print("SUMMARY " + json.dumps(summary), flush=True)
+
+
+if __name__ == "__main__":
+    main()
