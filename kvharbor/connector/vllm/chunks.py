@@ -7,7 +7,8 @@ inside its last (one token short of the prompt). Saves are whole chunks.
 
 A sliding-window request's block table starts with `NULL_BLOCK` where its blocks fell out
 of the window (vLLM frees them; a restore allocates none there): a load restores nothing
-into those, and a chunk whose blocks are all null is not read at all.
+into those, and a chunk whose blocks are all null is not read at all (vLLM's own
+offloading connector likewise loads a sliding-window group's chunks in the window only).
 """
 
 from __future__ import annotations
