@@ -83,7 +83,7 @@ def check_groups(groups: Sequence[CacheGroup], vllm_config: Any, num_gpu_blocks:
         names = "; ".join(f"group {g.index} {g.kind} (layer {g.layer_names[0]})" for g in first.values())
         raise ConnectorRefusal(
             f"KV cache registry: {len(foreign)} of {len(groups)} cache group(s) have no writer the connector "
-            f"can reach; first of each kind: {names}. kvharbor exchanges full-attention caches only "
+            f"can reach; first of each kind: {names}. kvharbor exchanges full-attention and sliding-window caches only "
             "(tell us the model and this line)"
         )
     for group in groups:
