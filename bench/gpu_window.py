@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 REPO = Path(__file__).resolve().parents[1]
 MAX_TOKENS = 8
 
@@ -135,11 +137,12 @@ def main() -> None:
     summary: dict[str, Any] = {"tokens": args.tokens, "window": args.window, "shape": args.shape}
     for name, model, asynchronous in cases:
         config = out / f"{name}.yaml"
-        config.write_text(
-            f"gateway:\n  socket: {out / name}.sock\n  shm_name: kvh-gpu-{name}\n"
-            f"storage:\n  tiers:\n    - {{name: ram, type: ram, capacity_gb: {ram_gb}}}\n"
-            f"    - {{name: files, type: file, path: {out / name}-files, capacity_gb: {2 * ram_gb}}}\n"
-        )
+        tiers = [
+            {"name": "ram", "type": "ram", "capacity_gb": ram_gb},
+            {"name": "files", "type": "file", "path": f"{out / name}-files", "capacity_gb": 2 * ram_gb},
+        ]
+        gateway = {"socket": f"{out / name}.sock", "shm_name": f"kvh-gpu-{name}"}
+        config.write_text(yaml.safe_dump({"gateway": gateway, "storage": {"tiers": tiers}}))
         runs = [run(model, args.tokens, asynchronous, config, out / f"{name}-{i}.log") for i in (1, 2)]
         for i, result in enumerate(runs, start=1):
             print(json.dumps({"model": name, "process": i, **result}), flush=True)

@@ -111,14 +111,19 @@ class EngineSection(_Section):
         """``chunk_size`` was given (file, environment or override), not left to its default."""
         return "chunk_size" in self.model_fields_set
 
-    def chunk_size_for(self, block_size: int) -> int:
+    def chunk_size_for(self, block_size: int, window_tokens: int | None = None) -> int:
         """The chunk size of a vLLM engine whose KV blocks hold ``block_size`` tokens:
-        ``chunk_size`` where it was set (the connector refuses one that is not whole blocks),
-        else the default rounded up to whole blocks (hybrid models run with blocks of 512
-        tokens or more, which the default 256 would not divide)."""
-        if self.chunk_size_set or self.chunk_size % block_size == 0:
+        ``chunk_size`` where it was set (the connector refuses one that is not whole blocks,
+        or larger than a sliding window), else the default rounded up to whole blocks (hybrid
+        models run with blocks of 512 tokens or more, which the default 256 would not divide),
+        and for a sliding-window model (``window_tokens``: its smallest window) cut to the
+        whole blocks within the window, as a chunk must fit it."""
+        if self.chunk_size_set:
             return self.chunk_size
-        return -(-self.chunk_size // block_size) * block_size
+        chunk = -(-self.chunk_size // block_size) * block_size
+        if window_tokens is not None and window_tokens < chunk:
+            chunk = max(block_size, window_tokens // block_size * block_size)
+        return chunk
 
 
 def default_runtime_dir() -> Path:

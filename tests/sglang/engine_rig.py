@@ -1,5 +1,5 @@
 """Run SGLang engine processes (`engine_worker.py`) with kvharbor, as the engine test and
-``bench/sglang.py --engine`` do.
+``bench/sglang.py`` (its engine phase) do.
 
 `write_config` gives the engines a kvharbor config of their own: the default embedded
 gateway, here with ``gateway.linger_s: 0``, so that it exits with its engine and the next
@@ -14,12 +14,10 @@ import json
 import os
 import subprocess
 import sys
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
+from tests.gateway.gateway_harness import write_config as gateway_config
 from tests.sglang import engine_worker
 from tests.sglang.shims.install import BOOT
 
@@ -45,28 +43,13 @@ class Answer:
 
 
 def write_config(directory: Path) -> Path:
-    document = {
-        "gateway": {
-            "socket": str(directory / "gw.sock"),
-            "shm_name": f"kvh-sgl-{uuid.uuid4().hex[:12]}",
-            "ring_mb": 32,
-            "ring_mb_min": 16,
-            "shm_reserve_mb": 0,
-            "linger_s": 0,
-        },
-        "storage": {
-            "tiers": [
-                {"name": "ram", "type": "ram", "capacity_gb": 0.125},
-                {"name": "files", "type": "file", "path": str(directory / "files"), "capacity_gb": 0.5},
-            ],
-            "fallback_path": None,
-        },
-        "dashboard": {"port": 0},
-        "telemetry": {"prometheus": {"port": 0}},
-    }
-    path = directory / "kvharbor.yaml"
-    path.write_text(yaml.safe_dump(document))
-    return path
+    """The engines' kvharbor config: the embedded gateway, gone with its engine, a RAM tier and
+    a file tier that outlives it."""
+    tiers = [
+        {"name": "ram", "type": "ram", "capacity_gb": 0.125},
+        {"name": "files", "type": "file", "path": str(directory / "files"), "capacity_gb": 0.5},
+    ]
+    return gateway_config(directory, tiers=tiers, mode="embedded", ring_mb=32, ring_mb_min=16, linger_s=0)
 
 
 def run_engine(model: Path, config: Path, asks: int, log: Path, prompt_tokens: int = PROMPT_TOKENS) -> list[Answer]:

@@ -63,9 +63,10 @@ def leading_nulls(block_ids: Sequence[int]) -> int:
 
 def unread_chunks(per_chunk: int, skip_blocks: int, block_ids: Sequence[int]) -> int:
     """How many leading chunks of a load restore nothing (all their blocks null): they are
-    not read, and count as restored (vLLM holds no block for them)."""
-    nulls = leading_nulls(block_ids)
-    return 0 if nulls == 0 else (nulls + skip_blocks) // per_chunk
+    not read, and count as restored (vLLM holds no block for them). Chunk 0 holds the load's
+    first ``per_chunk - skip_blocks`` blocks, so the first n chunks are null when the nulls
+    and the skipped blocks fill n whole chunks."""
+    return (leading_nulls(block_ids) + skip_blocks) // per_chunk
 
 
 @dataclass(frozen=True, slots=True)

@@ -116,12 +116,12 @@ class KVHarborConnector(KVConnectorBase_V1):
                 self.config.engine.key_namespace,
             )  # fmt: skip
             if self.layout.chunk_size != self.config.engine.chunk_size:
-                windows = [g.sliding_window for g in self.layout.groups if g.sliding_window is not None]
+                window = self.layout.window_tokens
                 _log.info(
                     "kvharbor: engine.chunk_size is unset: chunks of %d tokens (whole %d-token blocks of vLLM%s; "
                     "set engine.chunk_size to choose another multiple)",
                     self.layout.chunk_size, self.layout.block_size,
-                    f", within the sliding window of {min(windows)} tokens" if windows else "",
+                    "" if window is None else f", within the sliding window of {window} tokens",
                 )  # fmt: skip
             for group in self.layout.groups:  # One line per cache group, as vLLM hands them over.
                 _log.info(

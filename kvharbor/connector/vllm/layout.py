@@ -64,6 +64,11 @@ def describe_groups(kv_cache_config: Any) -> list[CacheGroup]:
     return groups
 
 
+def smallest_window(groups: Sequence[CacheGroup]) -> int | None:
+    """The smallest sliding window of ``groups`` in tokens; None without sliding-window groups."""
+    return min((g.sliding_window for g in groups if g.sliding_window is not None), default=None)
+
+
 SLIDING_WINDOW = "SlidingWindowSpec"
 _EXCHANGEABLE = {"FullAttentionSpec", SLIDING_WINDOW}
 """Spec kinds whose pages the connector knows how to store and restore."""
@@ -178,6 +183,11 @@ class VllmLayout:
     def max_hit_tokens(self, num_tokens: int) -> int:
         return max_hit_tokens(num_tokens, self.chunk_size)
 
+    @property
+    def window_tokens(self) -> int | None:
+        """The smallest sliding window of the engine's cache groups; None without one."""
+        return smallest_window(self.groups)
+
 
 def build_layout(vllm_config: Any, kv_cache_config: Any, config: Config) -> VllmLayout:
     """The layout of this engine; raises `ConnectorRefusal` for what cannot work."""
@@ -186,11 +196,7 @@ def build_layout(vllm_config: Any, kv_cache_config: Any, config: Config) -> Vllm
     parallel = vllm_config.parallel_config
     block_size = int(cache.block_size)
     groups = describe_groups(kv_cache_config)
-    chunk_size = config.engine.chunk_size_for(block_size)
-    windows = [g.sliding_window for g in groups if g.sliding_window is not None]
-    if windows and not config.engine.chunk_size_set and min(windows) < chunk_size:
-        # A sliding-window model's chunk must fit its window (`check_sliding_window`).
-        chunk_size = max(block_size, min(windows) // block_size * block_size)
+    chunk_size = config.engine.chunk_size_for(block_size, smallest_window(groups))
     if chunk_size % block_size:
         raise ConnectorRefusal(
             f"engine.chunk_size {chunk_size} must be a multiple of vLLM's block size {block_size}: "
