@@ -22,14 +22,13 @@ ENV = "KVHARBOR_TEST_AS_USER"
 """A worker that finds this variable (``UID:GID:GIDS``) calls `become` with it itself."""
 
 PRELOAD = (
-    "kvharbor.cli",
-    "kvharbor.cli.gateway",
     "kvharbor.gateway.process",
     "kvharbor.gateway.embedded",
     "kvharbor.hal.file",
     "logging.handlers",
 )
-"""Modules a gateway or client imports lazily: read while the files are still readable."""
+"""Modules a gateway or client imports lazily, beyond the CLI parser (`become` builds it):
+read while the files are still readable."""
 
 
 def spec(uid: int, gid: int, groups: list[int]) -> str:
