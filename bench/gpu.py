@@ -199,6 +199,7 @@ def bench_raw(args: argparse.Namespace) -> None:
 
         def restore() -> None:
             held = None
+            pages.begin_loads()
             for g in range(0, chunks, group):
                 for c in range(g, min(chunks, g + group)):
                     pages.stage_load(pin, views[c], 0, dst[c])
@@ -357,6 +358,7 @@ def bench_gateway(args: argparse.Namespace) -> None:
         def restore() -> float:
             transfer = SimpleNamespace(keys=[keys], block_ids=perm[chunks * PER_CHUNK :], skip_blocks=0, recompute_s=())
             path.begin_step(SimpleNamespace(saves=[], loads=[transfer]))
+            path.begin_loads()
             sync()
             t0 = time.perf_counter()
             restored = path.load(transfer)

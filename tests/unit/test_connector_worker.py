@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -199,3 +200,50 @@ def test_what_a_worker_saves_records_its_namespace_for_purge(real_gateway: RealG
     assert ours.objects == 2 and not ours.applied
     assert other.objects == 0 and sum(t.namespace_unknown for t in other.tiers) == 0
     assert real_gateway.holds([K0, K1]) == 2  # Dry runs: nothing removed.
+
+
+def test_a_restore_prepared_at_the_step_start_runs_on_the_loader_thread(real_gateway: RealGateway) -> None:
+    """``handle_preemptions`` (`WorkerSide.prepare_load`) starts the step's restore; the
+    engine's thread goes on (the model runner prepares the step's inputs) and `load` then
+    only waits for it and reports what it restored."""
+    gateway, source, target = real_gateway, caches(seed=7), caches(seed=None)
+    saved(gateway, source)
+    side = worker(gateway, target)
+    try:
+        meta = KVHarborMetadata(loads=[transfer([K0, MISSING], [9, 5, 12, 7])])
+        threads: list[str] = []
+        path = side._path
+        assert path is not None
+        real_load = path.load
+
+        def load(*args: Any) -> int:
+            threads.append(threading.current_thread().name)
+            return real_load(*args)
+
+        path.load = load  # type: ignore[method-assign]
+        side.prepare_load(meta)
+        assert side._loading is not None
+        assert side._loading.blocks.result(timeout=60) == [2]  # Done before `load` is called.
+        assert same_pages(target, [9, 5], source, [1, 2])
+        assert side.take_load_errors() == set()  # Known only once the step's `load` took it.
+        side.load(meta)
+        assert len(threads) == 1 and threads[0].startswith("kvharbor-loader"), threads  # Not restored twice.
+        assert side.take_load_errors() == {12, 7}
+        assert side.take_stats()["loaded_chunks"] == 1
+    finally:
+        side.close()
+
+
+def test_a_restore_prepared_for_a_step_that_never_ran_is_not_taken_for_the_next(real_gateway: RealGateway) -> None:
+    gateway, source, target = real_gateway, caches(seed=8), caches(seed=None)
+    saved(gateway, source)
+    side = worker(gateway, target)
+    try:
+        side.prepare_load(KVHarborMetadata(loads=[transfer([K0], [9, 5])]))
+        other = KVHarborMetadata(loads=[transfer([K1], [12, 7])])
+        side.load(other)  # Not the prepared step's metadata: restored now, from its own plan.
+        assert same_pages(target, [12, 7], source, [3, 4])
+        assert side.take_load_errors() == set()
+        assert side._loading is None
+    finally:
+        side.close()

@@ -111,6 +111,7 @@ def test_save_then_restore_round_trip_with_partial_chunks(backend: str) -> None:
     dst = [torch.zeros_like(t) for t in src]
     loader = make_copy(backend, dst, load_batch_bytes=2 * size)
     assert loader.chunks_per_load == 2
+    loader.begin_loads()
     # Restore chunk 0 from its block 1 on (the first block was a local hit), chunk 1
     # whole, then chunk 2's first two blocks (the load stops short of the prompt end).
     loader.stage_load(shm.mapping, shm.span(offsets[0], size), 1, [21, 22, 23])
@@ -423,6 +424,7 @@ def test_the_data_path_saves_and_restores_through_the_gateway(gateway_config: An
         loader, counts = data_path(gateway_config, make_copy(backend, dst))
         assert loader.map()
         load = ChunkTransfer("r", [keys], block_ids=[30, 31, 32, 33, 34, 35, 36, 37, 38], skip_blocks=2)
+        loader.begin_loads()
         loader.begin_step(KVHarborMetadata(loads=[load]))
         # Chunk 0 from its third block (two blocks were a local hit) + chunk 1 + 3 blocks of chunk 2,
         # one chunk per gateway request (load_batch_bytes=1).
@@ -443,6 +445,7 @@ def test_the_data_path_saves_and_restores_through_the_gateway(gateway_config: An
         assert counts["loaded_chunks"] == 3
         # A policy that stops the load after the first request: only chunk 0's blocks are restored.
         again = ChunkTransfer("r", [keys], block_ids=list(range(20, 32)))
+        loader.begin_loads()
         assert loader.load(again, proceed=lambda done: False) == PER_CHUNK
         loader.close()
     finally:
@@ -525,3 +528,21 @@ def test_a_step_that_waited_for_staging_is_not_a_prefill_sample() -> None:
     later = path.end_step(meta)
     assert later is not None
     later.done()
+
+
+def test_device_loads_are_ordered_after_the_engine_or_refused() -> None:
+    """A scatter must follow the engine's work queued before the step's loads, recorded on
+    the engine's thread (`DeviceCopy.begin_loads`): a flush without it is a bug, refused."""
+    src = layers()
+    copy = make_copy("device", src, load_batch_bytes=1)
+    shm = Shm(copy.chunk_bytes)
+    copy.stage_load(shm.mapping, shm.span(0, copy.chunk_bytes), 0, [1, 2, 3, 4])
+    with pytest.raises(RuntimeError, match="flush_load before begin_loads"):
+        copy.flush_load(shm.mapping)
+    copy.begin_loads()
+    copy.stage_load(shm.mapping, shm.span(0, copy.chunk_bytes), 0, [1, 2, 3, 4])
+    copy.flush_load(shm.mapping)()
+    copy.wait_loads()  # The step's end: the next step's loads need their own begin_loads.
+    copy.stage_load(shm.mapping, shm.span(0, copy.chunk_bytes), 0, [1, 2, 3, 4])
+    with pytest.raises(RuntimeError, match="flush_load before begin_loads"):
+        copy.flush_load(shm.mapping)

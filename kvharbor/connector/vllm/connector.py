@@ -199,6 +199,13 @@ class KVHarborConnector(KVConnectorBase_V1):
         except ConnectorRefusal as err:
             raise RuntimeError(f"kvharbor: the connector refuses to start: {err}") from None
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """vLLM's first call of a step, before the model runner prepares its inputs: the
+        step's restores start here, so that their copies overlap that preparation. (Preempted
+        requests need nothing: a save takes its pages within the step that computed them.)"""
+        if self._worker is not None and isinstance(kv_connector_metadata, KVHarborMetadata):
+            self._worker.prepare_load(kv_connector_metadata)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self._worker is None:
             return

@@ -76,6 +76,11 @@ class PageCopy(Protocol):
         """Allocate what loads pass through, before the first one (at start): the first
         restore pays no allocation. Raises `StagingUnavailable` when it does not fit."""
 
+    def begin_loads(self) -> None:
+        """On the engine's thread, before a step's first `stage_load`: the step's loads write
+        their blocks only after the engine's work queued so far (which may still use them as
+        another request's). The loads themselves may then run on another thread."""
+
     def stage_load(self, mapping: PinnedMapping, view: memoryview, first: int, block_ids: Sequence[int]) -> None:
         """Add a stored chunk to the load request in progress: its blocks ``first ..
         first + len(block_ids)`` go to ``block_ids``."""

@@ -153,10 +153,15 @@ class DataPath:
 
     # -- loads -----------------------------------------------------------------
 
+    def begin_loads(self) -> None:
+        """On the engine's thread, before the step's `load` calls (`PageCopy.begin_loads`)."""
+        self.copy.begin_loads()
+
     def load(self, transfer: ChunkTransfer, proceed: Callable[[int], bool] | None = None) -> int:
         """Restore the leading stored chunks of ``transfer``; returns the blocks restored.
 
         ``proceed(chunks_so_far)``, asked before each further gateway request, may stop the load.
+        Called after `begin_loads`, on any one thread at a time.
         """
         if not self.mappings:
             return 0
@@ -199,7 +204,8 @@ class DataPath:
     # -- saves -----------------------------------------------------------------
 
     def begin_step(self, meta: KVHarborMetadata) -> None:
-        self.copy.wait_loads()
+        """The step's metadata is bound. Its loads may be running on the loader thread: the
+        engine waits for them layer by layer (`wait_layer`) and wholly at `end_step`."""
         self._meta = meta
         self._save, self._save_keys, self._save_opened = None, [], False
         self.stalled = False

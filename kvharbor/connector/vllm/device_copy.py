@@ -66,6 +66,8 @@ class DeviceCopy:
         self._stage = LoadStage(self)
         self._layer_ready: list[Event] = []
         """Per layer, the event after its latest scatter."""
+        self._engine_before_loads: Event | None = None
+        """The engine's work queued before the step's loads (`begin_loads`): scatters wait for it."""
         self._staging_bytes = 0
         self._staging = threading.Condition()
         self.staging_waited_s = 0.0
@@ -96,6 +98,11 @@ class DeviceCopy:
                 f"in the free memory of {self.device}"
             ) from None
 
+    def begin_loads(self) -> None:
+        self.wait_loads()  # An earlier step's, should any be left: its events are not this step's.
+        # Recorded here, on the engine's thread: on the loader thread the current stream is another.
+        self._engine_before_loads = engine_stream(self.device).record()
+
     def stage_load(self, mapping: PinnedMapping, view: memoryview, first: int, block_ids: Sequence[int]) -> None:
         self._stage.add(mapping, view, first, block_ids)
 
@@ -105,14 +112,14 @@ class DeviceCopy:
         staged = self._stage.take()
         if not staged:
             return no_wait
+        engine = self._engine_before_loads
+        if engine is None:  # A scatter not ordered after the engine could overwrite blocks it still reads.
+            raise RuntimeError("flush_load before begin_loads: the loads are not ordered after the engine's work")
         self.reserve_loads()  # Done at start when the data path maps its memory.
         slot_index = self._next_slot
         self._next_slot = (slot_index + 1) % len(self._slots)
         slot = self._slots[slot_index]
         size = self.chunk_bytes
-        # The blocks may have been another request's until now: scatter after the engine's
-        # work queued so far, which may still write them.
-        engine = engine_stream(self.device).record()
         with self._h2d.on():
             self._h2d.wait(self._slot_free[slot_index])
             for at, count, offset in contiguous_runs([chunk.offset for chunk in staged], size):
@@ -149,6 +156,7 @@ class DeviceCopy:
         if self._layer_ready:
             engine_stream(self.device).wait(self._layer_ready[-1])
             self._layer_ready = []
+        self._engine_before_loads = None
 
     # -- saves: blocks -> staging (during the forward) -> shared memory (behind it) ------
 

@@ -43,6 +43,9 @@ class HostCopy:
     def reserve_loads(self) -> None:
         pass  # Loads copy straight into the cache tensors.
 
+    def begin_loads(self) -> None:
+        pass  # The engine's work on the CPU is done when it returns: nothing to order after.
+
     def stage_load(self, mapping: PinnedMapping, view: memoryview, first: int, block_ids: Sequence[int]) -> None:
         self._stage.add(mapping, view, first, block_ids)
 
