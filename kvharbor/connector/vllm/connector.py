@@ -39,6 +39,7 @@ from kvharbor.config import ConfigError
 from kvharbor.connector.link import CacheLink
 from kvharbor.connector.ranks import RankAgreement, RankGroup, SoleRank, TorchRankGroup
 from kvharbor.connector.verifier import Verifier
+from kvharbor.connector.vllm import handoff
 from kvharbor.connector.vllm.costs import load_planner
 from kvharbor.connector.vllm.layout import ConnectorRefusal, build_layout
 from kvharbor.connector.vllm.metadata import KVHarborMetadata
@@ -69,6 +70,8 @@ class KVHarborConnector(KVConnectorBase_V1):
         assert transfer is not None, "vLLM builds a connector only with a kv_transfer_config"
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._engine_id = str(transfer.engine_id)
+        """Shared by both roles of one engine (`handoff`)."""
         self.off_reason = ""
         """Why the connector stays off for this engine (`ConnectorRefusal` under ``KVHARBOR=1``)."""
         try:
@@ -137,6 +140,7 @@ class KVHarborConnector(KVConnectorBase_V1):
                 self.layout, self.config, load_link, CacheLink(self.config, name + " save", connect=connect), rank,
                 RankAgreement(_tensor_parallel_group(), load_link.switch),
             )  # fmt: skip
+            handoff.register(self._engine_id, self._worker)
 
     @staticmethod
     def _insist_on_recompute(transfer: Any) -> None:
@@ -167,7 +171,9 @@ class KVHarborConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         if self._scheduler is None:
             return KVHarborMetadata()
-        return self._scheduler.build_meta(scheduler_output)
+        meta = self._scheduler.build_meta(scheduler_output)
+        handoff.hand_over(self._engine_id, meta)  # This engine's worker, where it runs on this thread.
+        return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self._scheduler is None:
@@ -200,9 +206,10 @@ class KVHarborConnector(KVConnectorBase_V1):
             raise RuntimeError(f"kvharbor: the connector refuses to start: {err}") from None
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        """vLLM's first call of a step, before the model runner prepares its inputs: the
-        step's restores start here, so that their copies overlap that preparation. (Preempted
-        requests need nothing: a save takes its pages within the step that computed them.)"""
+        """vLLM's first call of a step to a worker: the step's restores start here unless the
+        scheduler already started them (`handoff`); vLLM's first model runner makes this
+        call before it prepares the step's inputs. (Preempted requests need nothing: a save
+        takes its pages within the step that computed them.)"""
         if self._worker is not None and isinstance(kv_connector_metadata, KVHarborMetadata):
             self._worker.prepare_load(kv_connector_metadata)
 
@@ -265,6 +272,7 @@ class KVHarborConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         if self._worker is not None:
+            handoff.unregister(self._engine_id, self._worker)
             self._worker.close()
         if self._scheduler is not None:
             self._scheduler.close()

@@ -2,10 +2,11 @@
 
 Loads run before the forward pass (they are planned as synchronous loads),
 streamed from the gateway in requests of ``engine.load_batch_mb`` and copied
-straight from shared memory into the allocated blocks. They start at vLLM's
-first call of a step (`WorkerSide.prepare_load`, from ``handle_preemptions``),
-on a loader thread, so that their copies overlap the model runner's
-preparation of the step's inputs; ``start_load_kv`` waits for them. A chunk that cannot be
+straight from shared memory into the allocated blocks. They start as early
+as the worker can know them (`WorkerSide.prepare_load`: from the scheduler
+in the same process, `handoff`, else at ``handle_preemptions``), on a loader
+thread, so that their copies overlap the model runner's preparation of the
+step's inputs; ``start_load_kv`` waits for them. A chunk that cannot be
 loaded (miss, corrupt, cache off, a load cut short because the rest would
 arrive slower than it recomputes) reports its blocks as load errors, and vLLM
 recomputes them: a failed load costs time, never a wrong token. The
@@ -208,8 +209,9 @@ class WorkerSide:
     # -- loads -------------------------------------------------------------------
 
     def prepare_load(self, meta: KVHarborMetadata) -> None:
-        """vLLM's first call of a step (``handle_preemptions``, before the model runner
-        prepares the step's inputs): start the step's restores on the loader thread.
+        """Start the step's restores on the loader thread, on the engine's thread before the
+        model runner prepares the step's inputs (`handoff`, ``handle_preemptions``); a step
+        already started is not started again.
 
         Their copies then overlap that preparation (~17 ms of a 130,000-token restore on an
         H200, `docs/performance.md`). Nothing the preparation does touches the KV cache, and
