@@ -53,6 +53,7 @@ RANGES: tuple[tuple[str, str, str], ...] = (
     ("kvharbor.connector.vllm.scheduler", "SchedulerSide.get_num_new_matched_tokens", "kvh.lookup"),
     ("kvharbor.connector.vllm.scheduler", "SchedulerSide.update_state_after_alloc", "kvh.plan_load"),
     ("kvharbor.connector.vllm.scheduler", "SchedulerSide.build_meta", "kvh.build_meta"),
+    ("kvharbor.connector.vllm.worker", "WorkerSide.prepare_load", "kvh.prepare_load"),
     ("kvharbor.connector.vllm.worker", "WorkerSide.load", "kvh.load"),
     ("kvharbor.connector.vllm.datapath", "DataPath.load", "kvh.path_load"),
     ("kvharbor.gateway.client", "GatewayClient.lookup", "kvh.lookup_rpc"),
@@ -204,7 +205,8 @@ def clock_request(run: Callable[[], Any]) -> tuple[Any, dict[str, Any]]:
     marks = [
         ("until_lookup", cpu.get("kvh.lookup", {}).get("first_start_ms")),
         ("lookup", cpu.get("kvh.lookup", {}).get("last_end_ms")),
-        ("until_load", cpu.get("kvh.load", {}).get("first_start_ms")),
+        # The data path's load starts on the loader thread, before the worker's `load` waits for it.
+        ("until_load", cpu.get("kvh.path_load", cpu.get("kvh.load", {})).get("first_start_ms")),
         ("first_get", ms(gets[0][2]) if gets else None),
         ("load_rest", cpu.get("kvh.load", {}).get("last_end_ms")),
         ("forward_cpu", cpu.get("vllm.forward", {}).get("last_end_ms")),
@@ -262,8 +264,17 @@ def summarize(trace: dict[str, Any]) -> dict[str, Any]:
         end = max(e["ts"] + e["dur"] for e in work)
         return {"start_ms": ms(work[0]["ts"]), "end_ms": ms(end), "busy_ms": round(busy / 1000, 3), "ops": len(work)}
 
-    load = launched_in("kvh.load") or launched_in("kvh.path_load")  # In vLLM, or the data path alone.
-    dma = [e for e in load if e.get("cat") == "gpu_memcpy" and int(e.get("args", {}).get("bytes", 0)) >= DMA_BYTES_MIN]
+    # Launched by the data path's load, on the loader thread (or inline, in an older connector).
+    load = launched_in("kvh.path_load") or launched_in("kvh.load")
+    # The DMA by what it is, whichever thread's ranges the profiler kept: every large copy
+    # into the device in the request (its saves copy the other way).
+    dma = [
+        e
+        for e in device
+        if e.get("cat") == "gpu_memcpy"
+        and "HtoD" in str(e.get("name", ""))
+        and int(e.get("args", {}).get("bytes", 0)) >= DMA_BYTES_MIN
+    ]
     dma_bytes = sum(int(e.get("args", {}).get("bytes", 0)) for e in dma)
     scatter = [e for e in load if e not in dma]
     gpu = {
@@ -296,7 +307,7 @@ def _steps(s: dict[str, Any]) -> dict[str, float | None]:
     marks = [
         ("until_lookup", at(cpu, "kvh.lookup", "first_start_ms")),
         ("lookup", at(cpu, "kvh.lookup", "last_end_ms")),
-        ("until_load", at(cpu, "kvh.load", "first_start_ms") or at(cpu, "kvh.path_load", "first_start_ms")),
+        ("until_load", at(cpu, "kvh.path_load", "first_start_ms") or at(cpu, "kvh.load", "first_start_ms")),
         ("first_get", s.get("first_get_reply_ms")),
         ("until_first_dma", at(gpu, "load_dma", "start_ms")),
         ("dma", at(gpu, "load_dma", "end_ms")),
