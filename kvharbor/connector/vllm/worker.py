@@ -66,7 +66,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -106,15 +105,6 @@ class _SaveJob:
     reused, and a copy that ends later may hold another request's bytes."""
 
 
-LOADER_SWITCH_INTERVAL_S = 0.0002
-"""Python's thread switch interval while a prepared restore runs beside the engine's own
-work (from `WorkerSide.prepare_load` to `WorkerSide.load`). The engine's thread is busy
-in Python then (the model runner prepares the step), and at the default 5 ms the loader
-thread waited up to that long for the interpreter at each of its steps: on an H200 the
-first copy of a 130,000-token restore started 1.3-11.8 ms after the load did. The
-interval in force before is put back when `load` takes the restore."""
-
-
 @dataclass(frozen=True, slots=True)
 class _Loading:
     """A step's restores, started on the loader thread (`WorkerSide.prepare_load`)."""
@@ -123,8 +113,6 @@ class _Loading:
     started_s: float
     blocks: Future[list[int]]
     """Per transfer of ``meta.loads``, the leading blocks this rank filled."""
-    switch_interval_s: float
-    """The interpreter's thread switch interval before the restore started."""
 
 
 class WorkerSide:
@@ -232,10 +220,7 @@ class WorkerSide:
         if not meta.loads or self._path is None or self._loading is not None:
             return
         self._path.begin_loads()
-        switch_s = sys.getswitchinterval()
-        sys.setswitchinterval(min(switch_s, LOADER_SWITCH_INTERVAL_S))
-        blocks = self._loader.submit(self._restore_all, meta.loads)
-        self._loading = _Loading(meta, time.perf_counter(), blocks, switch_s)
+        self._loading = _Loading(meta, time.perf_counter(), self._loader.submit(self._restore_all, meta.loads))
 
     def load(self, meta: KVHarborMetadata) -> None:
         """Restore the step's planned chunks, as far as every rank could (`RankAgreement`).
@@ -249,8 +234,6 @@ class WorkerSide:
         saves them then (`SchedulerSide.observe_load_errors`).
         """
         loading, self._loading = self._loading, None
-        if loading is not None:
-            sys.setswitchinterval(loading.switch_interval_s)
         if loading is not None and loading.meta is not meta:
             # Started for a step that never came to its forward pass (not seen with vLLM
             # 0.26-0.32): its blocks were that step's; wait, so no copy outlives the step.
