@@ -181,3 +181,47 @@ def test_an_idle_step_waits_for_the_read_back_instead_of_spinning(tiny_model: Pa
     assert job is not None and job.done.is_set() and job.verified == 3
     steps = rig.run()
     assert steps[0].new_request("r").num_computed_tokens == bound(1001)
+
+
+WINDOW = 512
+"""Tokens of the rig's sliding window (128-token blocks): a restore of 1,280 tokens needs the
+blocks of tokens 769 .. 1279, so its chunks 0 .. 2 are never read (see test_connector_scheduler)."""
+
+
+def test_a_sliding_window_reads_back_only_the_chunks_a_restore_reads(
+    tiny_model: Path, files_gateway: RealGateway, files: Path
+) -> None:
+    rig = SchedulerRig(tiny_model, gateway=files_gateway, sliding_window=WINDOW)
+    tokens = prompt(1500, seed=2)
+    keys = rig.keys(tokens)
+    rig.hold(keys)
+    # Damage no restore reads: the first chunk lies wholly before the window.
+    assert damage_file_objects(files, only={keys[0]}) == 1
+
+    steps = admit_after_read_back(rig, "r", tokens)
+
+    assert steps[0].new_request("r").num_computed_tokens == bound(1500) == 1280
+    counters = rig.side.counters
+    # Chunks 3 and 4 read back; all five promised (vLLM holds no block of the first three).
+    assert (counters.hit_chunks, counters.verified_chunks, counters.unverified_chunks) == (5, 2, 0)
+    assert saved_keys(steps) == []
+
+
+def test_a_sliding_window_read_back_that_fails_promises_only_what_needed_none(
+    tiny_model: Path, files_gateway: RealGateway, files: Path
+) -> None:
+    rig = SchedulerRig(tiny_model, gateway=files_gateway, sliding_window=WINDOW, prefix_caching=False)
+    tokens = prompt(1500, seed=3)
+    keys = rig.keys(tokens)
+    rig.hold(keys)
+    assert damage_file_objects(files, only={keys[4]}) == 1
+
+    steps = admit_after_read_back(rig, "r", tokens)
+
+    # Chunk 3 read back intact, chunk 4 not. A promise of 4 chunks (1,024 tokens) would need
+    # the window's chunk 2, never read back: nothing is promised, the prompt is computed.
+    assert steps[0].new_request("r").num_computed_tokens == 0
+    assert all(not s.meta.loads for s in steps)
+    counters = rig.side.counters
+    assert (counters.hit_chunks, counters.verified_chunks, counters.unverified_chunks) == (0, 1, 5)
+    assert saved_keys(steps) == keys[4:]  # The damaged chunk was dropped and is stored again.

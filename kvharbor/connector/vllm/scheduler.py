@@ -53,6 +53,8 @@ class _Request:
     """Leading stored chunks in a shared-memory RAM tier at the last lookup."""
     verification: Verification | None = None
     """The read-back of its stored chunks outside RAM, once one was needed."""
+    verify_floor: int = 0
+    """The leading chunks promised without a read-back (resident, or vLLM's own) when it began."""
 
 
 @dataclass(slots=True)
@@ -147,8 +149,8 @@ class SchedulerSide:
         size = self.layout.chunk_size
         job = state.verification
         if job is not None:
-            promised = self._settled_chunks(job)
-            if promised is None or num_computed_tokens >= job.first * size:
+            promised = self._settled_chunks(job, state, num_tokens)
+            if promised is None or num_computed_tokens >= state.verify_floor * size:
                 return promised
             return state.resident_chunks  # vLLM's own hit shrank below what was read back.
         ranks = self.layout.ranks
@@ -170,31 +172,57 @@ class SchedulerSide:
             self.counters.hit_chunks += first
             self.counters.unverified_chunks += end - first
             return first
-        state.verification = self.verifier.submit(state.keys, first, end, hits, wait_s)
+        state.verify_floor = first
+        # Chunks wholly before a sliding window at the hit's end are never read: nor read back.
+        read_from = min(max(first, self._out_of_window(hits, num_tokens)), end - 1)
+        state.verification = self.verifier.submit(state.keys, read_from, end, hits, wait_s)
         return None
 
-    def _settled_chunks(self, job: Verification) -> int | None:
+    def _out_of_window(self, hit_chunks: int, num_tokens: int) -> int:
+        """Leading chunks of a restore of ``hit_chunks`` that vLLM keeps no block of: wholly
+        before the sliding window at the restore's end (vLLM's ``SlidingWindowManager`` holds
+        the last ``window - 1`` tokens' blocks); 0 without a window."""
+        window = self.layout.window_tokens
+        if window is None:
+            return 0
+        block = self.layout.block_size
+        skipped_tokens = max(0, self._hit_end(hit_chunks, num_tokens) - window + 1)
+        return skipped_tokens // block * block // self.layout.chunk_size
+
+    def _promise(self, job: Verification, state: _Request, num_tokens: int) -> int:
+        """What a settled read-back promises: its leading intact chunks, unless they end early
+        (a failure, the deadline) and the window at that shorter end reaches chunks before the
+        read-back began (not read back): then only what needed no read-back."""
+        good, floor = job.good_chunks, state.verify_floor
+        if good < job.end and job.first > floor and self._out_of_window(good, num_tokens) < job.first:
+            return floor
+        return good
+
+    def _settled_chunks(self, job: Verification, state: _Request, num_tokens: int) -> int | None:
         """A read-back's promise once it is settled (counted then, once); None before."""
         if job.settled:
-            return job.good_chunks
+            return self._promise(job, state, num_tokens)
         if not job.settle(time.monotonic()):
             return None
-        self.counters.hit_chunks += job.good_chunks
+        promised = self._promise(job, state, num_tokens)
+        # Stored up to the first that failed, promised or not: recomputed, never stored again.
+        state.saved_chunks = max(state.saved_chunks, job.good_chunks)
+        self.counters.hit_chunks += promised
         self.counters.verified_chunks += job.verified
-        self.counters.unverified_chunks += job.end - job.good_chunks
+        self.counters.unverified_chunks += job.end - promised
         if job.failed:
             self._once.say(
                 "read-back",
                 "a stored chunk failed its read-back (damaged or of the wrong size): it is recomputed and stored "
                 "again, never loaded (said once; counted in unverified_chunks)",
             )
-        elif job.good_chunks < job.end:
+        elif promised < job.end:
             self._once.say(
                 "read-back-late",
                 f"stored chunks were not read back within engine.verify_wait_ms {self.config.engine.verify_wait_ms}: "
                 "recomputed, not restored (said once; counted in unverified_chunks)",
             )
-        return job.good_chunks
+        return promised
 
     def _hit_end(self, hit_chunks: int, num_tokens: int) -> int:
         """Where a load of ``hit_chunks`` stored chunks ends: one token short of the prompt,
