@@ -18,7 +18,7 @@ import pytest
 from e2e_harness import Lab, bound, request, tokens
 from test_e2e_bad_input import KVHARBOR_TRANSFER
 
-from tests.support.tiny_model import sliding_window_model
+from tests.support.tiny_model import mixed_window_model, sliding_window_model
 
 pytestmark = pytest.mark.e2e
 
@@ -52,6 +52,31 @@ def test_a_restarted_engine_restores_a_sliding_window_model(lab: Lab, window_mod
     metrics = restarted.metrics()
     assert metrics["vllm:kvharbor_hit_chunks"] == 3
     assert metrics["vllm:kvharbor_loaded_chunks"] == 2
+
+
+@pytest.fixture(scope="module")
+def mixed_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return mixed_window_model(tiny_model, tmp_path_factory.mktemp("models") / "mixed", window=WINDOW)
+
+
+def test_a_model_mixing_full_and_window_layers_is_restored_as_full_attention(
+    lab: Lab, mixed_model: Path, tiny_model: Path
+) -> None:
+    """vLLM turns its hybrid allocator off for a connector without ``SupportsHMA``: the
+    window layers' caches become full attention (every block kept), one group, which
+    kvharbor stores and restores whole; the layers still attend only to their window."""
+    spec = {"model": str(mixed_model), "rounds": [[request(LONG)]]}
+    first = lab.run(spec).ok()
+    everything = lab.run({"model": str(tiny_model), "rounds": [[request(LONG)]]}, lab.env(kvharbor=False)).ok()
+    # The same weights attending to everything answer otherwise: the window layers are windowed.
+    assert everything.requests()["0.0"]["tokens"] != first.requests()["0.0"]["tokens"]
+    assert "Turning off hybrid kv cache manager" in first.log
+    assert "kvharbor: group 0: FullAttentionSpec[" in first.log and "kvharbor: group 1" not in first.log
+    restarted = lab.run(spec).ok()
+    [result] = restarted.requests().values()
+    assert result["cached"] == restarted.rounds()[0]["external_hits"] == bound(len(LONG)) == 768
+    assert result["tokens"] == first.requests()["0.0"]["tokens"], "restored KV gives what recompute gave"
+    assert restarted.metrics()["vllm:kvharbor_loaded_chunks"] == 3  # Every chunk: no block is out of a window.
 
 
 def test_kvharbor_env_alone_serves_a_model_it_cannot_without_the_cache(lab: Lab, small_window_model: Path) -> None:
