@@ -52,3 +52,18 @@ def test_unregistering_another_worker_leaves_the_registered_one() -> None:
         assert handoff.hand_over("engine-d", STEP) and worker.prepared == [STEP]
     finally:
         handoff.unregister("engine-d", worker)
+
+
+def test_two_workers_under_one_engine_id_are_never_handed_a_step() -> None:
+    """Two engines of one process given the same ``engine_id``: a scheduler's step could
+    reach the other engine's worker, so neither gets steps from a scheduler."""
+    first, second = Worker(), Worker()
+    handoff.register("engine-e", first)
+    handoff.register("engine-e", second)
+    try:
+        assert not handoff.hand_over("engine-e", STEP)
+        handoff.unregister("engine-e", second)
+        assert not handoff.hand_over("engine-e", STEP)  # Still one id of two engines.
+        assert first.prepared == second.prepared == []
+    finally:
+        handoff.unregister("engine-e", first)

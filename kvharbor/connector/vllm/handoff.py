@@ -28,11 +28,20 @@ class Preparer(Protocol):
 _lock = threading.Lock()
 _workers: dict[str, tuple[int, Preparer]] = {}
 """Engine id -> (the thread the worker was registered on, the worker)."""
+_shared_ids: set[str] = set()
+"""Engine ids two workers of this process registered (a ``kv_transfer_config`` naming its
+``engine_id``, given to two engines): whose step a scheduler's is cannot be told, so no
+worker of such an id is handed steps (each gets its own from vLLM)."""
 
 
 def register(engine_id: str, worker: Preparer) -> None:
     """``worker`` serves the engine ``engine_id`` on the calling thread (the engine core's)."""
     with _lock:
+        held = _workers.get(engine_id)
+        if engine_id in _shared_ids or (held is not None and held[1] is not worker):
+            _shared_ids.add(engine_id)
+            _workers.pop(engine_id, None)
+            return
         _workers[engine_id] = (threading.get_ident(), worker)
 
 
