@@ -213,9 +213,10 @@ class WorkerSide:
         model runner prepares the step's inputs (`handoff`, ``handle_preemptions``); a step
         already started is not started again.
 
-        Their copies then overlap that preparation (~17 ms of a 130,000-token restore on an
-        H200, `docs/performance.md`). Nothing the preparation does touches the KV cache, and
-        the engine reads no restored block before `load` has waited for the restores.
+        Their copies then overlap that preparation (15-29 ms of a 130,000-token restore on an
+        H200, though the first copy waits for the busy engine thread: `docs/performance.md`).
+        Nothing the preparation does touches the KV cache, and the engine reads no restored
+        block before `load` has waited for the restores.
         """
         if not meta.loads or self._path is None or self._loading is not None:
             return
