@@ -154,6 +154,7 @@ def bench_raw(args: argparse.Namespace) -> None:
     import torch
 
     from kvharbor.config import EngineSection
+    from kvharbor.connector.vllm.chunks import ChunkPart
     from kvharbor.connector.vllm.device_copy import DeviceCopy
     from kvharbor.connector.vllm.pinning import PinnedMapping, cuda_host_register
     from kvharbor.gateway.shm import Segment
@@ -181,7 +182,7 @@ def bench_raw(args: argparse.Namespace) -> None:
         def offload() -> None:
             held = None
             for g in range(0, chunks, group):  # gather group g while group g-1 crosses PCIe
-                save = pages.open_save(src[g : g + group], engine.save_staging_wait_ms / 1000)
+                save = pages.open_save([[ids] for ids in src[g : g + group]], engine.save_staging_wait_ms / 1000)
                 assert save is not None
                 for layer in range(LAYERS):
                     save.gather_layer(layer)
@@ -202,7 +203,7 @@ def bench_raw(args: argparse.Namespace) -> None:
             pages.begin_loads()
             for g in range(0, chunks, group):
                 for c in range(g, min(chunks, g + group)):
-                    pages.stage_load(pin, views[c], 0, dst[c])
+                    pages.stage_load(pin, views[c], [ChunkPart(0, dst[c])])
                 wait = pages.flush_load(pin)
                 if held is not None:
                     held()
@@ -340,7 +341,7 @@ def bench_gateway(args: argparse.Namespace) -> None:
         stored = 0
         for g in range(0, chunks, step):
             part = keys[g : g + step]
-            transfer = SimpleNamespace(keys=[part], block_ids=perm[g * PER_CHUNK : (g + len(part)) * PER_CHUNK])
+            transfer = SimpleNamespace(keys=[part], block_ids=[perm[g * PER_CHUNK : (g + len(part)) * PER_CHUNK]])
             meta = SimpleNamespace(saves=[transfer], loads=[])
             path.begin_step(meta)
             for layer in range(LAYERS):
@@ -356,7 +357,13 @@ def bench_gateway(args: argparse.Namespace) -> None:
         result["store_to_ram_tier_GBps"] = round(stored * size / store_s / 1e9, 2)
 
         def restore() -> float:
-            transfer = SimpleNamespace(keys=[keys], block_ids=perm[chunks * PER_CHUNK :], skip_blocks=0, recompute_s=())
+            transfer = SimpleNamespace(
+                keys=[keys],
+                block_ids=[perm[chunks * PER_CHUNK :]],
+                blocks=chunks * PER_CHUNK,
+                skip_blocks=0,
+                recompute_s=(),
+            )
             path.begin_step(SimpleNamespace(saves=[], loads=[transfer]))
             path.begin_loads()
             sync()

@@ -1,11 +1,14 @@
 """A sliding-window model on a GPU engine: one vLLM process stores a prompt, the next restores it.
 
-    python bench/gpu_window.py [--out DIR] [--tokens 2000] [--window 512] [--shape tiny|7b]
+    python bench/gpu_window.py [--out DIR] [--tokens 2000] [--window 512] [--shape tiny|7b] [--cases A,B]
 
 Builds the tiny random Llama (`kvharbor.demo.model`) and its sliding-window twin (a Mistral
 whose every layer attends to ``--window`` tokens, `tests.support.tiny_model`); with ``--shape
 7b`` both get Mistral-7B's shape instead (32 layers, 8 KV heads of 128, bf16, random weights
-through ``load_format="dummy"``: 128 KiB of KV per token) and answer one token. Then for each
+through ``load_format="dummy"``: 128 KiB of KV per token) and answer one token; ``hybrid-7b``
+is the same shape as a Llama whose even layers attend to the window and odd ones to all
+(Gemma-style ``layer_types``: vLLM's hybrid allocator gives each kind a cache group with
+blocks of its own). ``--cases`` picks some of the cases by name. Then for each
 runs two engine processes one after the other with ``KVHARBOR=1`` and the default embedded
 gateway (which lingers between them, holding its RAM tier): the first answers the prompt
 cold, the second answers it again. The sliding-window model runs with asynchronous
@@ -53,14 +56,19 @@ SEVEN_B = {
 """Mistral-7B's shape (its ``config.json``), written over the tiny model's."""
 
 
-def seven_b(source: Path, path: Path, window: int | None) -> Path:
+def seven_b(source: Path, path: Path, window: int | None, alternate: bool = False) -> Path:
     """A config-only model of Mistral-7B's shape (random weights at load), with the tiny
-    model's tokenizer; every layer attends to ``window`` tokens, or to all (None)."""
+    model's tokenizer; every layer attends to ``window`` tokens, or to all (None); with
+    ``alternate``, a Llama whose even layers attend to ``window`` and odd ones to all."""
     path.mkdir(parents=True, exist_ok=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         (path / name).write_bytes((source / name).read_bytes())
     config = json.loads((source / "config.json").read_text())
     config.update(SEVEN_B, architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=window)
+    if alternate:
+        kinds = ("sliding_attention", "full_attention")
+        layers = [kinds[i % 2] for i in range(SEVEN_B["num_hidden_layers"])]
+        config.update(architectures=["LlamaForCausalLM"], model_type="llama", layer_types=layers)
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
 
@@ -110,6 +118,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2000)
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--shape", default="tiny", choices=("tiny", "7b"))
+    parser.add_argument("--cases", default="", help="comma-separated case names to run (default: all of the shape)")
     parser.add_argument("--engine", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--asynchronous", default="default", choices=("default", "on", "off"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -118,7 +127,7 @@ def main() -> None:
         return
     sys.path.insert(0, str(REPO))
     from kvharbor.demo.model import build_tiny_model
-    from tests.support.tiny_model import sliding_window_model
+    from tests.support.tiny_model import mixed_window_model, sliding_window_model
 
     out = Path(args.out or tempfile.mkdtemp(prefix="kvh-gpu-window-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -128,12 +137,17 @@ def main() -> None:
         ("llama", llama, "default"),
         ("window", window, "off"),
         ("window-default", window, "default"),
+        ("mixed", mixed_window_model(llama, out / "mixed", args.window), "off"),
     )
     ram_gb = 2
     if args.shape == "7b":
         full, windowed = seven_b(llama, out / "full-7b", None), seven_b(llama, out / "window-7b", args.window)
-        cases = (("full-7b", full, "off"), ("window-7b", windowed, "off"))
+        hybrid = seven_b(llama, out / "hybrid-7b", args.window, alternate=True)
+        cases = (("full-7b", full, "off"), ("window-7b", windowed, "off"), ("hybrid-7b", hybrid, "off"))
         ram_gb = 2 * args.tokens * 128 * 1024 // 2**30 + 1
+    if args.cases:
+        wanted = set(args.cases.split(","))
+        cases = tuple(case for case in cases if case[0] in wanted)
     summary: dict[str, Any] = {"tokens": args.tokens, "window": args.window, "shape": args.shape}
     for name, model, asynchronous in cases:
         config = out / f"{name}.yaml"

@@ -76,10 +76,13 @@ class SchedulerRig:
         prefix_caching: bool = True,
         engine: dict[str, Any] | None = None,
         sliding_window: int | None = None,
+        hybrid: bool = False,
         gateway: RealGateway,
     ) -> None:
         """``sliding_window``: the KV cache is one sliding-window group of that many tokens
-        (vLLM's scheduler then frees blocks out of the window, and pads with its null block)."""
+        (vLLM's scheduler then frees blocks out of the window, and pads with its null block);
+        with ``hybrid``, that group holds the odd layers only, beside a full-attention group
+        of the even ones (vLLM's hybrid allocator, each group with blocks of its own)."""
         extra = {"engine": engine or {}}
         transfer = KVTransferConfig(
             kv_connector="KVHarborConnector",
@@ -102,14 +105,16 @@ class SchedulerRig:
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
         layers = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
         shape: dict[str, Any] = {"block_size": BLOCK, "num_kv_heads": 2, "head_size": 64, "dtype": torch.float32}
+        full = FullAttentionSpec(**shape)
         spec: AttentionSpec = (
-            FullAttentionSpec(**shape)
-            if sliding_window is None
-            else SlidingWindowSpec(**shape, sliding_window=sliding_window)
+            full if sliding_window is None else SlidingWindowSpec(**shape, sliding_window=sliding_window)
         )
-        self.kv_cache_config = KVCacheConfig(
-            num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(layers, spec)]
+        groups = (
+            [KVCacheGroupSpec(layers[0::2], full), KVCacheGroupSpec(layers[1::2], spec)]
+            if hybrid
+            else [KVCacheGroupSpec(layers, spec)]
         )
+        self.kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
         self.gateway = gateway
 
         def link(config: Any, name: str, connect: Connect | None = None) -> CacheLink:
@@ -203,7 +208,9 @@ class SchedulerRig:
             assert combined is not None
             runner = combined
         reported = runner.kv_connector_output.invalid_block_ids if runner.kv_connector_output else set()
-        self.failed_loads.update(load.request_id for load in meta.loads if reported & set(load.block_ids))
+        self.failed_loads.update(
+            load.request_id for load in meta.loads if reported & {b for ids in load.block_ids for b in ids}
+        )
         finished = []
         stats: dict[str, float] = {}
         for outputs in self.scheduler.update_from_output(output, runner).values():

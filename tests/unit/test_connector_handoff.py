@@ -8,7 +8,7 @@ import threading
 from kvharbor.connector.vllm import handoff
 from kvharbor.connector.vllm.metadata import ChunkTransfer, KVHarborMetadata
 
-STEP = KVHarborMetadata(loads=[ChunkTransfer(request_id="r", keys=[[b"k" * 16]], block_ids=[1, 2])])
+STEP = KVHarborMetadata(loads=[ChunkTransfer(request_id="r", keys=[[b"k" * 16]], block_ids=[[1, 2]])])
 
 
 class Worker:

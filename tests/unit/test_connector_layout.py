@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 import pytest
@@ -11,7 +12,7 @@ from vllm.v1.kv_cache_interface import KVCacheGroupSpec, MambaSpec, SlidingWindo
 
 from kvharbor.config import load_config
 from kvharbor.connector.vllm.layout import ConnectorRefusal, build_layout, check_mamba_reserve
-from tests.support.stand_ins import engine
+from tests.support.stand_ins import LAYERS, engine
 
 
 def digests(chunk_size: int = 256, namespace: str = "default", **changes: Any) -> tuple[bytes, ...]:
@@ -128,13 +129,55 @@ def test_a_sliding_window_group_with_asynchronous_scheduling_is_refused_naming_t
         build_layout(*window_engine(4096, **{"scheduler_config.async_scheduling": True}), load_config(environ={}))
 
 
-def test_a_sliding_window_group_beside_others_is_refused() -> None:
-    vllm_config, kv_cache_config = engine()
-    window = SlidingWindowSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.float32, sliding_window=512)
-    kv_cache_config.kv_cache_groups.append(KVCacheGroupSpec(["model.layers.4.self_attn.attn"], window))
-    one_of_two = r"sliding-window group 1 \(window 512 tokens\) is one of 2 cache groups"
-    with pytest.raises(ConnectorRefusal, match=one_of_two):
-        build_layout(vllm_config, kv_cache_config, load_config(environ={}))
+def hybrid_engine(window: int = 512, block_size: int = 128, **changes: Any) -> tuple[Any, Any]:
+    """vLLM's hybrid allocator: a full-attention group and a sliding-window group of their own."""
+    vllm_config, kv_cache_config = engine(**changes)
+    spec = SlidingWindowSpec(
+        block_size=block_size, num_kv_heads=2, head_size=64, dtype=torch.float32, sliding_window=window
+    )
+    kv_cache_config.kv_cache_groups.append(KVCacheGroupSpec(["model.layers.4.self_attn.attn"], spec))
+    return vllm_config, kv_cache_config
+
+
+def test_a_sliding_window_group_beside_a_full_attention_group_is_exchanged() -> None:
+    layout = build_layout(*hybrid_engine(), load_config(environ={}))
+    assert [g.kind for g in layout.groups] == ["FullAttentionSpec", "SlidingWindowSpec"]
+    # The full group needs every chunk from the start: a restore reads from the start.
+    assert layout.window_tokens is None
+    assert layout.chunk_size == 256  # within the window of 512
+    # A chunk is every group's pages: the window layer is part of every stored chunk.
+    assert layout.chunk_bytes == sum(len(g.layer_names) * g.page_bytes for g in layout.groups) * 2
+    assert layout.groups_of(["model.layers.4.self_attn.attn", LAYERS[0]]) == (1, 0)
+    one_group = build_layout(*engine(), load_config(environ={}))
+    assert layout.digests != one_group.digests  # Another set of groups never shares a key.
+
+
+def test_a_layer_in_no_cache_group_is_refused_naming_it() -> None:
+    layout = build_layout(*hybrid_engine(), load_config(environ={}))
+    with pytest.raises(ConnectorRefusal, match=re.escape("model.layers.9.self_attn.attn")):
+        layout.groups_of(["model.layers.9.self_attn.attn"])
+
+
+def test_groups_whose_blocks_hold_other_token_counts_are_refused_naming_them() -> None:
+    with pytest.raises(ConnectorRefusal, match=r"group 1 SlidingWindowSpec 64"):
+        build_layout(*hybrid_engine(block_size=64), load_config(environ={}))
+
+
+def test_several_groups_with_pipeline_parallelism_are_refused_naming_the_flag() -> None:
+    hybrid = hybrid_engine(**{"parallel_config.pipeline_parallel_size": 2})
+    with pytest.raises(
+        ConnectorRefusal, match=r"pipeline parallelism 2 with 2 KV cache groups .*--pipeline-parallel-size 1"
+    ):
+        build_layout(*hybrid, load_config(environ={}))
+    build_layout(*engine(**{"parallel_config.pipeline_parallel_size": 2}), load_config(environ={}))  # one group: fine
+
+
+def test_only_window_groups_restore_from_the_largest_window() -> None:
+    vllm_config, kv_cache_config = window_engine(1024)
+    spec = SlidingWindowSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.float32, sliding_window=512)
+    kv_cache_config.kv_cache_groups.append(KVCacheGroupSpec(["model.layers.4.self_attn.attn"], spec))
+    layout = build_layout(vllm_config, kv_cache_config, load_config(environ={}))
+    assert layout.window_tokens == 1024 and layout.chunk_size == 256
 
 
 def test_a_hybrid_model_without_reserve_is_refused_with_the_watermark_to_use() -> None:

@@ -7,6 +7,7 @@ import torch
 
 from kvharbor.connector.vllm.chunks import (
     NULL_BLOCK,
+    ChunkLoad,
     blocks_before,
     chunk_load,
     contiguous_runs,
@@ -73,36 +74,57 @@ def test_layers_of_different_page_shapes_or_dtypes_are_refused(view: object) -> 
 # -- chunks -------------------------------------------------------------------------------
 
 
+def part(load: ChunkLoad, group: int = 0) -> tuple[int, list[int]]:
+    return load.parts[group].first, list(load.parts[group].targets)
+
+
 def test_a_load_that_starts_and_ends_inside_a_chunk() -> None:
-    blocks = [30, 31, 32, 33, 34, 35, 36, 37, 38]  # 4 blocks a chunk; 2 of chunk 0 held already
+    blocks = [[30, 31, 32, 33, 34, 35, 36, 37, 38]]  # 4 blocks a chunk; 2 of chunk 0 held already
     assert [blocks_before(i, 4, 2) for i in range(4)] == [0, 2, 6, 10]
-    first = chunk_load(0, 4, 2, blocks)
-    assert (first.first, list(first.targets)) == (2, [30, 31])
-    middle = chunk_load(1, 4, 2, blocks)
-    assert (middle.first, list(middle.targets)) == (0, [32, 33, 34, 35])
+    assert part(chunk_load(0, 4, 2, blocks)) == (2, [30, 31])
+    assert part(chunk_load(1, 4, 2, blocks)) == (0, [32, 33, 34, 35])
     last = chunk_load(2, 4, 2, blocks)
-    assert (last.first, list(last.targets)) == (0, [36, 37, 38])  # stops short of the prompt end
-    assert list(chunk_load(3, 4, 2, blocks).targets) == []  # past the load: nothing
+    assert part(last) == (0, [36, 37, 38]) and last.blocks == 3  # stops short of the prompt end
+    past = chunk_load(3, 4, 2, blocks)
+    assert part(past) == (0, []) and not past.restores and past.blocks == 0  # past the load: nothing
 
 
 def test_a_sliding_window_load_restores_nothing_into_null_blocks_and_skips_whole_null_chunks() -> None:
     """vLLM pads a sliding-window request's blocks out of the window with its null block."""
-    blocks = [NULL_BLOCK] * 5 + [40, 41, 42, 43, 44, 45]  # 4 blocks a chunk; 1 of chunk 0 held already
+    blocks = [[NULL_BLOCK] * 5 + [40, 41, 42, 43, 44, 45]]  # 4 blocks a chunk; 1 of chunk 0 held already
     assert unread_chunks(4, 1, blocks) == 1  # Chunk 0 (3 blocks here) is all null; chunk 1 is not.
     partly = chunk_load(1, 4, 1, blocks)
-    assert (partly.first, list(partly.targets), partly.blocks) == (2, [40, 41], 4)
+    assert (*part(partly), partly.blocks) == (2, [40, 41], 4)
     whole = chunk_load(2, 4, 1, blocks)
-    assert (whole.first, list(whole.targets), whole.blocks) == (0, [42, 43, 44, 45], 4)
-    assert unread_chunks(4, 0, [NULL_BLOCK] * 8 + [50]) == 2
-    assert unread_chunks(4, 0, [50, 51, 52, 53]) == 0  # Full attention: every chunk is read.
+    assert (*part(whole), whole.blocks) == (0, [42, 43, 44, 45], 4)
+    assert unread_chunks(4, 0, [[NULL_BLOCK] * 8 + [50]]) == 2
+    assert unread_chunks(4, 0, [[50, 51, 52, 53]]) == 0  # Full attention: every chunk is read.
+
+
+def test_a_hybrid_load_reads_every_chunk_of_the_full_group_and_fills_the_window_group_in_its_window() -> None:
+    """vLLM's hybrid allocator: one block list per group, position for position; the window
+    group holds null blocks where its blocks fell out of the window."""
+    blocks = [list(range(10, 19)), [NULL_BLOCK] * 6 + [60, 61, 62]]  # full, sliding window
+    assert unread_chunks(4, 0, blocks) == 0  # The full group needs chunk 0 whatever the window holds.
+    first = chunk_load(0, 4, 0, blocks)
+    assert part(first, 0) == (0, [10, 11, 12, 13]) and part(first, 1) == (4, []) and first.restores
+    second = chunk_load(1, 4, 0, blocks)
+    assert part(second, 0) == (0, [14, 15, 16, 17]) and part(second, 1) == (2, [60, 61])
+    assert second.blocks == 4
+    third = chunk_load(2, 4, 0, blocks)
+    assert part(third, 0) == (0, [18]) and part(third, 1) == (0, [62]) and third.blocks == 1
 
 
 def test_save_planning_flattens_every_transfer_with_the_ranks_keys() -> None:
-    a = ChunkTransfer("a", [[b"a0", b"a1"], [b"A0", b"A1"]], block_ids=[1, 2, 3, 4])
-    b = ChunkTransfer("b", [[b"b0"], [b"B0"]], block_ids=[9, 8])
+    a = ChunkTransfer("a", [[b"a0", b"a1"], [b"A0", b"A1"]], block_ids=[[1, 2, 3, 4], [11, 12, 13, 14]])
+    b = ChunkTransfer("b", [[b"b0"], [b"B0"]], block_ids=[[9, 8], [19, 18]])
     plan = plan_saves([a, b], rank=1, per_chunk=2)
     assert plan.keys == [b"A0", b"A1", b"B0"]
-    assert [list(x) for x in plan.blocks] == [[1, 2], [3, 4], [9, 8]]
+    assert [[list(ids) for ids in x] for x in plan.blocks] == [
+        [[1, 2], [11, 12]],
+        [[3, 4], [13, 14]],
+        [[9, 8], [19, 18]],
+    ]
 
 
 def test_contiguous_runs() -> None:

@@ -148,7 +148,7 @@ def test_a_load_that_fails_after_its_promise_is_recomputed_and_saved_again(
     rig.add("r", tokens)
     # Promised in full; then the worker finds chunk 1 damaged as it loads (and the gateway
     # drops a damaged chunk).
-    first = rig.step(load_errors=lambda meta: set(meta.loads[0].block_ids[2:]))
+    first = rig.step(load_errors=lambda meta: set(meta.loads[0].block_ids[0][2:]))
     assert first.new_request("r").num_computed_tokens == 2 * CHUNK
     assert saved_keys([first]) == []
     client = real_gateway.client()

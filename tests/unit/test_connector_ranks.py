@@ -103,7 +103,7 @@ def on_every_rank(sides: list[WorkerSide], step: Callable[[WorkerSide], None]) -
 
 
 def chunks(keys: list[list[bytes]], blocks: list[int], request_id: str = "r") -> ChunkTransfer:
-    return ChunkTransfer(request_id=request_id, keys=keys, block_ids=blocks)
+    return ChunkTransfer(request_id=request_id, keys=keys, block_ids=[blocks])
 
 
 def save_now(side: WorkerSide, transfer: ChunkTransfer) -> None:

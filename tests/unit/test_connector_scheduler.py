@@ -67,8 +67,8 @@ def test_a_miss_saves_each_chunk_once_across_chunked_prefill(tiny_model: Path, r
     # (1001 tokens hold 3 whole chunks). Each from its own blocks, each once.
     [first] = steps[0].meta.saves
     [second] = steps[1].meta.saves
-    assert [bytes(k) for k in first.keys[0]] == keys[:2] and first.block_ids == blocks[:4]
-    assert [bytes(k) for k in second.keys[0]] == keys[2:] and second.block_ids == blocks[4:6]
+    assert [bytes(k) for k in first.keys[0]] == keys[:2] and first.block_ids == [blocks[:4]]
+    assert [bytes(k) for k in second.keys[0]] == keys[2:] and second.block_ids == [blocks[4:6]]
     # Only the second holds the prompt's last chunk: its step's saves land before the answer.
     assert (first.ends_prompt, second.ends_prompt) == (False, True)
     assert all(not s.meta.saves and not s.meta.loads for s in steps[2:])
@@ -89,7 +89,7 @@ def test_a_restart_hit_loads_up_to_the_bound_and_saves_nothing_stored(rig: Sched
     [load] = first.meta.loads
     assert [bytes(k) for k in load.keys[0]] == rig.keys(tokens)  # The last chunk is loaded in part.
     assert load.skip_blocks == 0
-    assert load.block_ids == list(new.block_ids[0][:7])
+    assert load.block_ids == [list(new.block_ids[0][:7])]
     assert saved_keys(steps) == []
     assert all(not s.meta.loads for s in steps[1:])
 
@@ -125,7 +125,7 @@ def test_a_load_starts_where_vllms_own_prefix_cache_ends(rig: SchedulerRig) -> N
     # chunk 1 (skipping its first block), chunk 2, and chunk 3 up to the bound.
     assert load.skip_blocks == 1
     assert [bytes(k) for k in load.keys[0]] == rig.keys(full)[1:4]
-    assert load.block_ids == blocks[3:7]
+    assert load.block_ids == [blocks[3:7]]
 
 
 def test_a_salt_changes_every_key_and_a_required_salt_skips_the_rest(
@@ -170,7 +170,7 @@ def test_a_preempted_request_resumes_from_its_saved_chunks(tiny_model: Path, rea
     [load] = resume.meta.loads
     assert load.request_id == "other"
     assert [bytes(k) for k in load.keys[0]] == rig.keys(other)
-    assert load.block_ids == blocks[:6]
+    assert load.block_ids == [blocks[:6]]
     assert resume.scheduled("other") == len(other) + cached.num_output_tokens[cached.req_ids.index("other")] - 768
     # Every chunk of both prompts saved exactly once (the rig also refuses a repeat).
     assert sorted(saved_keys(steps)) == sorted(rig.keys(long) + rig.keys(other))
@@ -210,9 +210,9 @@ def test_a_block_one_rank_could_not_restore_is_recomputed_on_every_rank(rig: Sch
     rig.hold(rig.keys(tokens))
     rig.add("r", tokens)
     # Rank 0 restored all 3 chunks, rank 1 only chunk 0.
-    first = rig.step(workers=worker_reports(lambda meta: [set(), set(meta.loads[0].block_ids[2:])]))
+    first = rig.step(workers=worker_reports(lambda meta: [set(), set(meta.loads[0].block_ids[0][2:])]))
     [load] = first.meta.loads
-    assert first.new_request("r").num_computed_tokens == 768 and len(load.block_ids) == 6
+    assert first.new_request("r").num_computed_tokens == 768 and load.blocks == 6
     assert rig.requests["r"].num_output_tokens == 0  # The step's sampled token is discarded ...
     again = rig.step()
     cached = again.output.scheduled_cached_reqs
@@ -267,7 +267,7 @@ def test_a_sliding_window_request_saves_live_blocks_and_restores_into_the_window
     rig.add("cold", tokens, max_tokens=2)
     steps = rig.run()
     assert saved_keys(steps) == keys  # 5 whole chunks, each once.
-    assert all(NULL_BLOCK not in save.block_ids for step in steps for save in step.meta.saves)
+    assert all(NULL_BLOCK not in save.block_ids[0] for step in steps for save in step.meta.saves)
     assert rig.total(steps, "window_unsaved") == 0
 
     restart = SchedulerRig(tiny_model, gateway=real_gateway, sliding_window=512)
@@ -278,5 +278,34 @@ def test_a_sliding_window_request_saves_live_blocks_and_restores_into_the_window
     (load,) = restart.step().meta.loads
     # 1280 restored tokens: the window before the next token holds tokens 769 .. 1279, so
     # vLLM holds no block for the first 6 (768 tokens): chunks 0 .. 2 are not read.
-    assert leading_nulls(load.block_ids) == 6 and NULL_BLOCK not in load.block_ids[6:]
+    assert leading_nulls(load.block_ids[0]) == 6 and NULL_BLOCK not in load.block_ids[0][6:]
     assert unread_chunks(restart.layout.blocks_per_chunk, load.skip_blocks, load.block_ids) == 3
+
+
+def test_a_hybrid_request_moves_every_groups_blocks_and_the_window_groups_only_in_its_window(
+    tiny_model: Path, real_gateway: RealGateway
+) -> None:
+    """vLLM's own scheduler with its hybrid allocator: a full-attention group and a 512-token
+    sliding-window group, each with blocks of its own. Saves carry both groups' live blocks of
+    each chunk; a restore carries the full group's blocks of every chunk and the window
+    group's only in its window (null before), so every chunk is read."""
+    rig = SchedulerRig(tiny_model, gateway=real_gateway, max_batched_tokens=512, sliding_window=512, hybrid=True)
+    tokens = prompt(1500)
+    keys = rig.keys(tokens)
+    rig.add("cold", tokens, max_tokens=2)
+    steps = rig.run()
+    assert saved_keys(steps) == keys  # 5 whole chunks, each once.
+    saves = [save for step in steps for save in step.meta.saves]
+    assert all(len(save.block_ids) == 2 and NULL_BLOCK not in save.block_ids[1] for save in saves)
+    assert all(set(save.block_ids[0]).isdisjoint(save.block_ids[1]) for save in saves)  # blocks of their own
+    assert rig.total(steps, "window_unsaved") == 0
+
+    restart = SchedulerRig(tiny_model, gateway=real_gateway, sliding_window=512, hybrid=True)
+    request = restart.request("warm", tokens)
+    assert restart.side.get_num_new_matched_tokens(request, 0)[0] == bound(1500) == 1280
+    restart.add("warm", tokens, max_tokens=2)
+    (load,) = restart.step().meta.loads
+    full, window = load.block_ids
+    assert len(full) == len(window) == 10 and NULL_BLOCK not in full
+    assert leading_nulls(window) == 6 and NULL_BLOCK not in window[6:]
+    assert unread_chunks(restart.layout.blocks_per_chunk, load.skip_blocks, load.block_ids) == 0

@@ -46,7 +46,7 @@ def worker(gateway: RealGateway, kv: dict[str, torch.Tensor], **engine: Any) -> 
 
 
 def transfer(keys: list[bytes], blocks: list[int], skip: int = 0) -> ChunkTransfer:
-    return ChunkTransfer(request_id="r", keys=[keys], block_ids=blocks, skip_blocks=skip)
+    return ChunkTransfer(request_id="r", keys=[keys], block_ids=[blocks], skip_blocks=skip)
 
 
 def saved(gateway: RealGateway, source: dict[str, torch.Tensor]) -> None:
@@ -126,7 +126,7 @@ def test_a_request_whose_load_falls_short_stores_nothing_of_that_step(real_gatew
     # computed over the blocks that did not load, and a chunk of another request.
     meta = KVHarborMetadata(
         loads=[transfer([K0, MISSING], [5, 6, 7, 8])],
-        saves=[transfer([later], [9, 10]), ChunkTransfer(request_id="other", keys=[[other]], block_ids=[11, 12])],
+        saves=[transfer([later], [9, 10]), ChunkTransfer(request_id="other", keys=[[other]], block_ids=[[11, 12]])],
     )
     side.load(meta)
     side.save(meta)

@@ -24,6 +24,7 @@ pytest.importorskip("vllm")
 
 from kvharbor.config import Config, EngineSection  # noqa: E402
 from kvharbor.connector.link import CacheLink, RankSwitch  # noqa: E402
+from kvharbor.connector.vllm.chunks import ChunkPart  # noqa: E402
 from kvharbor.connector.vllm.copier import PageCopy  # noqa: E402
 from kvharbor.connector.vllm.datapath import DataPath  # noqa: E402
 from kvharbor.connector.vllm.device_copy import DeviceCopy  # noqa: E402
@@ -53,11 +54,15 @@ def layers(make: Callable[[], torch.Tensor] = flash_nhd) -> list[torch.Tensor]:
 
 
 def make_copy(
-    backend: str, tensors: list[torch.Tensor], load_batch_bytes: int = 1, save_staging_bytes_max: int = 1 << 30
+    backend: str,
+    tensors: list[torch.Tensor],
+    load_batch_bytes: int = 1,
+    save_staging_bytes_max: int = 1 << 30,
+    groups: list[int] | None = None,
 ) -> PageCopy:
     if backend == "host":
-        return HostCopy(tensors, BLOCKS, PER_CHUNK, load_batch_bytes)
-    return DeviceCopy(tensors, BLOCKS, PER_CHUNK, load_batch_bytes, save_staging_bytes_max)
+        return HostCopy(tensors, BLOCKS, PER_CHUNK, load_batch_bytes, groups)
+    return DeviceCopy(tensors, BLOCKS, PER_CHUNK, load_batch_bytes, save_staging_bytes_max, groups)
 
 
 def stored_block(backend: str, t: torch.Tensor, b: int) -> bytes:
@@ -80,7 +85,7 @@ class Shm:
 
 def save_chunks(copy: PageCopy, chunks: list[list[int]], shm: Shm, offsets: list[int]) -> None:
     """The save pipeline as the worker drives it: open, gather (some layers), close, stage, flush, wait."""
-    save = copy.open_save(chunks, 0)
+    save = copy.open_save([[blocks] for blocks in chunks], 0)
     assert save is not None and save.chunks == len(chunks)
     for layer in (2, 0):  # the forward pass reports some layers; close gathers the rest
         save.gather_layer(layer)
@@ -114,12 +119,12 @@ def test_save_then_restore_round_trip_with_partial_chunks(backend: str) -> None:
     loader.begin_loads()
     # Restore chunk 0 from its block 1 on (the first block was a local hit), chunk 1
     # whole, then chunk 2's first two blocks (the load stops short of the prompt end).
-    loader.stage_load(shm.mapping, shm.span(offsets[0], size), 1, [21, 22, 23])
-    loader.stage_load(shm.mapping, shm.span(offsets[1], size), 0, [24, 25, 26, 27])
+    loader.stage_load(shm.mapping, shm.span(offsets[0], size), [ChunkPart(1, [21, 22, 23])])
+    loader.stage_load(shm.mapping, shm.span(offsets[1], size), [ChunkPart(0, [24, 25, 26, 27])])
     with pytest.raises(RuntimeError, match="flush_load after chunks_per_load"):
-        loader.stage_load(shm.mapping, shm.span(offsets[2], size), 0, [28, 29])
+        loader.stage_load(shm.mapping, shm.span(offsets[2], size), [ChunkPart(0, [28, 29])])
     loader.flush_load(shm.mapping)()
-    loader.stage_load(shm.mapping, shm.span(offsets[2], size), 0, [28, 29])
+    loader.stage_load(shm.mapping, shm.span(offsets[2], size), [ChunkPart(0, [28, 29])])
     loader.flush_load(shm.mapping)()
     loader.wait_layer(0)
     loader.wait_loads()
@@ -130,6 +135,55 @@ def test_save_then_restore_round_trip_with_partial_chunks(backend: str) -> None:
                 assert torch.equal(dst[layer][b], src[layer][restored[b]]), (layer, b)
             else:
                 assert not dst[layer][b].any(), (layer, b)  # nothing else written
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_hybrid_cache_round_trips_each_group_through_its_own_blocks(backend: str) -> None:
+    """vLLM's hybrid allocator: layers 0 and 2 in a full-attention group, layer 1 in a
+    sliding-window group with blocks of its own, backed by the same tensor as layer 0 (vLLM
+    shares a tensor between one layer of each group); a load fills the window group only
+    where vLLM allocated blocks (in the window), and nothing else of it."""
+    full0, full2 = flash_nhd(), flash_nhd()
+    src = [full0, full0, full2]  # layer 1 (window) shares layer 0's tensor, as vLLM lays it out
+    groups = [0, 1, 0]
+    saver = make_copy(backend, src, groups=groups)
+    size = saver.chunk_bytes
+    assert size == LAYERS * PER_CHUNK * HEADS * TOKENS * HEAD2 * 4
+    chunks = [[[1, 2, 3, 4], [5, 6, 7, 8]], [[9, 10, 11, 12], [13, 14, 15, 16]]]  # per chunk: full, window
+    shm = Shm(2 * size)
+    save = saver.open_save(chunks, 0)
+    assert save is not None
+    save.close()
+    for c in range(2):
+        save.stage(c, shm.mapping, shm.span(c * size, size))
+    save.flush(shm.mapping)()
+    save.release()
+    for c, blocks in enumerate(chunks):  # [layer][block][page], each layer through its group's blocks
+        expected = b"".join(
+            stored_block(backend, src[layer], b) for layer in range(LAYERS) for b in blocks[groups[layer]]
+        )
+        assert bytes(shm.span(c * size, size)) == expected
+
+    dst0, dst2 = torch.zeros_like(full0), torch.zeros_like(full2)
+    dst = [dst0, dst0, dst2]
+    loader = make_copy(backend, dst, load_batch_bytes=2 * size, groups=groups)
+    loader.begin_loads()
+    # Chunk 0 is out of the window: the window group restores nothing from it.
+    loader.stage_load(shm.mapping, shm.span(0, size), [ChunkPart(0, [21, 22, 23, 24]), ChunkPart(4, [])])
+    loader.stage_load(shm.mapping, shm.span(size, size), [ChunkPart(0, [25, 26, 27, 28]), ChunkPart(2, [31, 32])])
+    loader.flush_load(shm.mapping)()
+    loader.wait_loads()
+    full = dict(zip(range(21, 29), [1, 2, 3, 4, 9, 10, 11, 12], strict=True))
+    window = {31: 15, 32: 16}
+    for b in range(BLOCKS):
+        if b in full:
+            assert torch.equal(dst0[b], full0[full[b]]) and torch.equal(dst2[b], full2[full[b]]), b
+        elif b in window:  # layer 1's pages, in layer 0's tensor
+            assert torch.equal(dst0[b], full0[window[b]]) and not dst2[b].any(), b
+        else:
+            assert not dst0[b].any() and not dst2[b].any(), b  # nothing else written
+    with pytest.raises(ValueError, match="1 group part"):
+        loader.stage_load(shm.mapping, shm.span(0, size), [ChunkPart(0, [21])])
 
 
 def test_both_backends_store_the_same_bytes_for_contiguous_caches() -> None:
@@ -152,7 +206,7 @@ def test_what_a_save_reads_after_the_step(backend: str) -> None:
     src = layers()
     copy = make_copy(backend, src)
     before = b"".join(stored_block(backend, src[layer], b) for layer in range(LAYERS) for b in (1, 2, 3, 4))
-    save = copy.open_save([[1, 2, 3, 4]], 0)
+    save = copy.open_save([[[1, 2, 3, 4]]], 0)
     assert save is not None
     save.close()
     for t in src:
@@ -170,10 +224,10 @@ def test_wrong_sizes_and_blocks_past_a_chunk_are_refused(backend: str) -> None:
     copy = make_copy(backend, layers())
     shm = Shm(2 * copy.chunk_bytes)
     with pytest.raises(ValueError, match="where"):
-        copy.stage_load(shm.mapping, shm.span(0, copy.chunk_bytes - 1), 0, [1])
+        copy.stage_load(shm.mapping, shm.span(0, copy.chunk_bytes - 1), [ChunkPart(0, [1])])
     with pytest.raises(ValueError, match=r"blocks 3 \.\. 5"):
-        copy.stage_load(shm.mapping, shm.span(0, copy.chunk_bytes), 3, [1, 2])
-    save = copy.open_save([[1, 2, 3, 4]], 0)
+        copy.stage_load(shm.mapping, shm.span(0, copy.chunk_bytes), [ChunkPart(3, [1, 2])])
+    save = copy.open_save([[[1, 2, 3, 4]]], 0)
     assert save is not None
     save.close()
     with pytest.raises(ValueError, match="not a whole chunk"):
@@ -188,12 +242,12 @@ def test_device_save_staging_is_bounded() -> None:
     copy = DeviceCopy(layers(), BLOCKS, PER_CHUNK, 1, save_staging_bytes_max=1)
     size = copy.chunk_bytes
     assert copy.save_staging_bytes_max == size  # at least one chunk
-    first = copy.open_save([[1, 2, 3, 4], [5, 6, 7, 8]], 5.0)
+    first = copy.open_save([[[1, 2, 3, 4]], [[5, 6, 7, 8]]], 5.0)
     assert first is not None and first.chunks == 1  # the rest does not fit
-    assert copy.open_save([[9, 10, 11, 12]], 0) is None  # full: skipped, no wait
+    assert copy.open_save([[[9, 10, 11, 12]]], 0) is None  # full: skipped, no wait
     first.release()
     first.release()  # once only
-    again = copy.open_save([[9, 10, 11, 12]], 0)
+    again = copy.open_save([[[9, 10, 11, 12]]], 0)
     assert again is not None and copy.staging_bytes == size
 
 
@@ -380,8 +434,8 @@ def test_the_step_that_ends_a_prompt_waits_for_its_saves_to_land(gateway_config:
     try:
         assert path.map()
         keys = [bytes([8, i]) * 8 for i in range(2)]
-        middle = ChunkTransfer("r", [keys[:1]], block_ids=[1, 2, 3, 4])
-        last = ChunkTransfer("r", [keys[1:]], block_ids=[5, 6, 7, 8], ends_prompt=True)
+        middle = ChunkTransfer("r", [keys[:1]], block_ids=[[1, 2, 3, 4]])
+        last = ChunkTransfer("r", [keys[1:]], block_ids=[[5, 6, 7, 8]], ends_prompt=True)
         waits = []
         for save in (middle, last):
             meta = KVHarborMetadata(saves=[save])
@@ -406,7 +460,7 @@ def test_the_data_path_saves_and_restores_through_the_gateway(gateway_config: An
     try:
         assert saver.map() and len(saver.mappings) == 2
         keys = [bytes([9, i]) * 8 for i in range(3)]
-        save = ChunkTransfer("r", [keys], block_ids=[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12])
+        save = ChunkTransfer("r", [keys], block_ids=[[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]])
         meta = KVHarborMetadata(saves=[save])
         saver.begin_step(meta)
         for name in NAMES:
@@ -423,7 +477,7 @@ def test_the_data_path_saves_and_restores_through_the_gateway(gateway_config: An
         dst = [torch.zeros_like(t) for t in src]
         loader, counts = data_path(gateway_config, make_copy(backend, dst))
         assert loader.map()
-        load = ChunkTransfer("r", [keys], block_ids=[30, 31, 32, 33, 34, 35, 36, 37, 38], skip_blocks=2)
+        load = ChunkTransfer("r", [keys], block_ids=[[30, 31, 32, 33, 34, 35, 36, 37, 38]], skip_blocks=2)
         loader.begin_loads()
         loader.begin_step(KVHarborMetadata(loads=[load]))
         # Chunk 0 from its third block (two blocks were a local hit) + chunk 1 + 3 blocks of chunk 2,
@@ -440,11 +494,11 @@ def test_the_data_path_saves_and_restores_through_the_gateway(gateway_config: An
         assert asked == [1, 2]  # the policy is asked before each further request
         sources = [3, 4, 5, 6, 7, 8, 9, 10, 11]
         for layer in range(LAYERS):
-            for target, source in zip(load.block_ids, sources, strict=True):
+            for target, source in zip(load.block_ids[0], sources, strict=True):
                 assert torch.equal(dst[layer][target], src[layer][source])
         assert counts["loaded_chunks"] == 3
         # A policy that stops the load after the first request: only chunk 0's blocks are restored.
-        again = ChunkTransfer("r", [keys], block_ids=list(range(20, 32)))
+        again = ChunkTransfer("r", [keys], block_ids=[list(range(20, 32))])
         loader.begin_loads()
         assert loader.load(again, proceed=lambda done: False) == PER_CHUNK
         loader.close()
@@ -463,7 +517,7 @@ def test_the_data_path_turns_the_cache_off_when_pinning_fails(
         assert not path.map()
         assert path.mappings == [] and path._load_link.is_off and path._save_link.is_off
         assert "cannot be page-locked" in caplog.text and "keeps serving" in caplog.text
-        load = ChunkTransfer("r", [[b"k" * 16]], block_ids=[1, 2, 3, 4])
+        load = ChunkTransfer("r", [[b"k" * 16]], block_ids=[[1, 2, 3, 4]])
         assert path.load(load) == 0  # every planned block is a load error: recomputed
         meta = KVHarborMetadata(saves=[load])
         path.begin_step(meta)
@@ -501,7 +555,7 @@ def test_the_load_staging_is_reserved_at_start_and_a_device_without_room_turns_t
         assert path.mappings == [] and path._load_link.is_off
         assert "load staging slots" in caplog.text and "engine.load_batch_mb" in caplog.text
         assert "keeps serving" in caplog.text
-        assert path.load(ChunkTransfer("r", [[b"k" * 16]], block_ids=[1, 2, 3, 4])) == 0  # recomputed
+        assert path.load(ChunkTransfer("r", [[b"k" * 16]], block_ids=[[1, 2, 3, 4]])) == 0  # recomputed
     finally:
         path.close()
 
@@ -515,7 +569,7 @@ def test_a_step_that_waited_for_staging_is_not_a_prefill_sample() -> None:
     copy = DeviceCopy(layers(), BLOCKS, PER_CHUNK, 1, save_staging_bytes_max=1)
     path, _ = data_path(Config(), copy, links=links)
     path.mappings = [Shm(copy.chunk_bytes).mapping, Shm(copy.chunk_bytes).mapping]
-    meta = KVHarborMetadata(saves=[ChunkTransfer("r", [[b"k" * 16]], block_ids=[1, 2, 3, 4])])
+    meta = KVHarborMetadata(saves=[ChunkTransfer("r", [[b"k" * 16]], block_ids=[[1, 2, 3, 4]])])
     path.begin_step(meta)
     path.save_layer(NAMES[0])
     assert not path.stalled
@@ -536,13 +590,13 @@ def test_device_loads_are_ordered_after_the_engine_or_refused() -> None:
     src = layers()
     copy = make_copy("device", src, load_batch_bytes=1)
     shm = Shm(copy.chunk_bytes)
-    copy.stage_load(shm.mapping, shm.span(0, copy.chunk_bytes), 0, [1, 2, 3, 4])
+    copy.stage_load(shm.mapping, shm.span(0, copy.chunk_bytes), [ChunkPart(0, [1, 2, 3, 4])])
     with pytest.raises(RuntimeError, match="flush_load before begin_loads"):
         copy.flush_load(shm.mapping)
     copy.begin_loads()
-    copy.stage_load(shm.mapping, shm.span(0, copy.chunk_bytes), 0, [1, 2, 3, 4])
+    copy.stage_load(shm.mapping, shm.span(0, copy.chunk_bytes), [ChunkPart(0, [1, 2, 3, 4])])
     copy.flush_load(shm.mapping)()
     copy.wait_loads()  # The step's end: the next step's loads need their own begin_loads.
-    copy.stage_load(shm.mapping, shm.span(0, copy.chunk_bytes), 0, [1, 2, 3, 4])
+    copy.stage_load(shm.mapping, shm.span(0, copy.chunk_bytes), [ChunkPart(0, [1, 2, 3, 4])])
     with pytest.raises(RuntimeError, match="flush_load before begin_loads"):
         copy.flush_load(shm.mapping)

@@ -1,13 +1,14 @@
 """Chunk arithmetic: which blocks of which chunk go where, written once.
 
 A transfer (`metadata.ChunkTransfer`) lists its chunks' blocks in order,
-``blocks_per_chunk`` to a chunk, except that a load may start inside its first
-chunk (``skip_blocks`` already held by vLLM's own prefix cache) and stop
-inside its last (one token short of the prompt). Saves are whole chunks.
+``blocks_per_chunk`` to a chunk, once per KV cache group (`GroupBlocks`),
+except that a load may start inside its first chunk (``skip_blocks`` already
+held by vLLM's own prefix cache) and stop inside its last (one token short of
+the prompt). Saves are whole chunks.
 
-A sliding-window request's block table starts with `NULL_BLOCK` where its blocks fell out
+A sliding-window group's block table starts with `NULL_BLOCK` where its blocks fell out
 of the window (vLLM frees them; a restore allocates none there): a load restores nothing
-into those, and a chunk whose blocks are all null is not read at all (vLLM's own
+into those, and a chunk whose blocks are null in every group is not read at all (vLLM's own
 offloading connector likewise loads a sliding-window group's chunks in the window only).
 """
 
@@ -19,6 +20,17 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # Importable without vLLM (bench/gpu.py's data-path part needs none).
     from kvharbor.connector.vllm.metadata import ChunkTransfer
+
+
+GroupBlocks = Sequence[Sequence[int]]
+"""Blocks of one span of a request's tokens in every KV cache group: one list per group, in
+vLLM's group order, all of one length (position i holds the same tokens in every group).
+One group unless vLLM's hybrid allocator is on (`connector.KVHarborConnector` supports it)."""
+
+
+def span(block_ids: GroupBlocks, start: int, end: int) -> list[list[int]]:
+    """Positions ``start .. end`` of every group's blocks."""
+    return [list(ids[start:end]) for ids in block_ids]
 
 
 NULL_BLOCK = 0
@@ -33,24 +45,39 @@ def blocks_before(chunk: int, per_chunk: int, skip_blocks: int) -> int:
 
 
 @dataclass(frozen=True, slots=True)
-class ChunkLoad:
-    """Where a stored chunk's blocks go: its blocks ``first .. first + len(targets)``
-    into the engine's blocks ``targets`` (empty when the load ends before it)."""
+class ChunkPart:
+    """One cache group's share of a stored chunk: its blocks ``first .. first + len(targets)``
+    go into the engine's blocks ``targets`` (empty: nothing of this group is restored)."""
 
     first: int
     targets: Sequence[int]
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkLoad:
+    """Where a stored chunk's blocks go, one `ChunkPart` per cache group."""
+
+    parts: tuple[ChunkPart, ...]
     blocks: int
-    """The load's blocks this chunk restores, its null ones included (they need nothing)."""
+    """The load's block positions this chunk restores, null ones included (they need nothing)."""
+
+    @property
+    def restores(self) -> bool:
+        """Some group's blocks are restored from this chunk (none: the load ended before it)."""
+        return any(part.targets for part in self.parts)
 
 
-def chunk_load(chunk: int, per_chunk: int, skip_blocks: int, block_ids: Sequence[int]) -> ChunkLoad:
-    """The blocks of stored chunk ``chunk`` that a load of ``block_ids`` restores (its null
+def chunk_load(chunk: int, per_chunk: int, skip_blocks: int, block_ids: GroupBlocks) -> ChunkLoad:
+    """The blocks of stored chunk ``chunk`` that a load of ``block_ids`` restores (null
     blocks, which lead, left out)."""
     first = skip_blocks if chunk == 0 else 0
     start = blocks_before(chunk, per_chunk, skip_blocks)
-    targets = block_ids[start : start + per_chunk - first]
-    nulls = leading_nulls(targets)
-    return ChunkLoad(first + nulls, targets[nulls:], len(targets))
+    parts = []
+    for ids in block_ids:
+        targets = ids[start : start + per_chunk - first]
+        nulls = leading_nulls(targets)
+        parts.append(ChunkPart(first + nulls, targets[nulls:]))
+    return ChunkLoad(tuple(parts), len(block_ids[0][start : start + per_chunk - first]))
 
 
 def leading_nulls(block_ids: Sequence[int]) -> int:
@@ -61,12 +88,12 @@ def leading_nulls(block_ids: Sequence[int]) -> int:
     return count
 
 
-def unread_chunks(per_chunk: int, skip_blocks: int, block_ids: Sequence[int]) -> int:
-    """How many leading chunks of a load restore nothing (all their blocks null): they are
-    not read, and count as restored (vLLM holds no block for them). Chunk 0 holds the load's
-    first ``per_chunk - skip_blocks`` blocks, so the first n chunks are null when the nulls
-    and the skipped blocks fill n whole chunks."""
-    return (leading_nulls(block_ids) + skip_blocks) // per_chunk
+def unread_chunks(per_chunk: int, skip_blocks: int, block_ids: GroupBlocks) -> int:
+    """How many leading chunks of a load restore nothing (their blocks null in every group):
+    they are not read, and count as restored (vLLM holds no block for them). Chunk 0 holds
+    the load's first ``per_chunk - skip_blocks`` blocks, so the first n chunks are null in a
+    group when its nulls and the skipped blocks fill n whole chunks."""
+    return min((leading_nulls(ids) + skip_blocks) // per_chunk for ids in block_ids)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,17 +101,17 @@ class SavePlan:
     """A step's saves, flattened: chunk i is stored under ``keys[i]`` from ``blocks[i]``."""
 
     keys: list[bytes]
-    blocks: list[Sequence[int]]
+    blocks: list[GroupBlocks]
 
 
 def plan_saves(saves: Sequence[ChunkTransfer], rank: int, per_chunk: int) -> SavePlan:
     """Every chunk of every save transfer, in order, with its rank's key."""
     keys: list[bytes] = []
-    blocks: list[Sequence[int]] = []
+    blocks: list[GroupBlocks] = []
     for transfer in saves:
         for i, key in enumerate(transfer.keys[rank]):
             keys.append(key)
-            blocks.append(transfer.block_ids[i * per_chunk : (i + 1) * per_chunk])
+            blocks.append(span(transfer.block_ids, i * per_chunk, (i + 1) * per_chunk))
     return SavePlan(keys, blocks)
 
 

@@ -32,6 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
@@ -41,7 +42,7 @@ from kvharbor.connector.ranks import RankAgreement, RankGroup, SoleRank, TorchRa
 from kvharbor.connector.verifier import Verifier
 from kvharbor.connector.vllm import handoff
 from kvharbor.connector.vllm.costs import load_planner
-from kvharbor.connector.vllm.layout import ConnectorRefusal, build_layout
+from kvharbor.connector.vllm.layout import ConnectorRefusal, build_layout, smallest_window
 from kvharbor.connector.vllm.metadata import KVHarborMetadata
 from kvharbor.connector.vllm.plugin import activated_by_env
 from kvharbor.connector.vllm.scheduler import SchedulerSide
@@ -62,7 +63,10 @@ if TYPE_CHECKING:
 _log = get_logger("kvharbor.connector.vllm")
 
 
-class KVHarborConnector(KVConnectorBase_V1):
+class KVHarborConnector(KVConnectorBase_V1, SupportsHMA):
+    """Both roles; `SupportsHMA`: vLLM keeps its hybrid allocator on, so every KV cache group
+    (full attention and sliding window) has blocks of its own (`chunks.GroupBlocks`)."""
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         attach_to_engine_log()
@@ -119,7 +123,7 @@ class KVHarborConnector(KVConnectorBase_V1):
                 self.config.engine.key_namespace,
             )  # fmt: skip
             if self.layout.chunk_size != self.config.engine.chunk_size:
-                window = self.layout.window_tokens
+                window = smallest_window(self.layout.groups)
                 _log.info(
                     "kvharbor: engine.chunk_size is unset: chunks of %d tokens (whole %d-token blocks of vLLM%s; "
                     "set engine.chunk_size to choose another multiple)",
@@ -179,6 +183,12 @@ class KVHarborConnector(KVConnectorBase_V1):
         if self._scheduler is None:
             return False, None
         return self._scheduler.request_finished(request)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM calls this one, not `request_finished`, for a connector with `SupportsHMA`."""
+        return self.request_finished(request, block_ids[0] if block_ids else [])
 
     def take_events(self) -> Iterable[Any]:
         return ()

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvharbor.connector.vllm.chunks import ChunkPart, GroupBlocks
 from kvharbor.connector.vllm.pages import PageLayers
 from kvharbor.connector.vllm.pinning import PinnedMapping
 
@@ -81,9 +82,9 @@ class PageCopy(Protocol):
         their blocks only after the engine's work queued so far (which may still use them as
         another request's). The loads themselves may then run on another thread."""
 
-    def stage_load(self, mapping: PinnedMapping, view: memoryview, first: int, block_ids: Sequence[int]) -> None:
-        """Add a stored chunk to the load request in progress: its blocks ``first ..
-        first + len(block_ids)`` go to ``block_ids``."""
+    def stage_load(self, mapping: PinnedMapping, view: memoryview, parts: Sequence[ChunkPart]) -> None:
+        """Add a stored chunk to the load request in progress: in each cache group (one
+        `ChunkPart` per group), its blocks ``first .. first + len(targets)`` go to ``targets``."""
 
     def flush_load(self, mapping: PinnedMapping) -> Wait:
         """Start copying the staged chunks into their blocks."""
@@ -94,21 +95,21 @@ class PageCopy(Protocol):
     def wait_loads(self) -> None:
         """Make the engine wait for every load so far (end of a step)."""
 
-    def open_save(self, block_ids: Sequence[Sequence[int]], wait_s: float) -> StepSave | None:
-        """A save of the given chunks' blocks (``blocks_per_chunk`` each), or of as many of the
-        leading ones as fit, after waiting up to ``wait_s`` for room; None: no room came."""
+    def open_save(self, block_ids: Sequence[GroupBlocks], wait_s: float) -> StepSave | None:
+        """A save of the given chunks' blocks (``blocks_per_chunk`` each in every group), or of
+        as many of the leading ones as fit, after waiting up to ``wait_s`` for room; None: no
+        room came."""
 
     def close(self) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
 class StagedChunk:
-    """A stored chunk of a load request: at ``offset`` in shared memory, its blocks
-    ``first .. first + len(block_ids)`` go to the engine's ``block_ids``."""
+    """A stored chunk of a load request at ``offset`` in shared memory, and where each cache
+    group's blocks of it go."""
 
     offset: int
-    first: int
-    block_ids: list[int]
+    parts: tuple[ChunkPart, ...]
 
 
 class LoadStage:
@@ -118,15 +119,22 @@ class LoadStage:
         self._copy = copy
         self.staged: list[StagedChunk] = []
 
-    def add(self, mapping: PinnedMapping, view: memoryview, first: int, block_ids: Sequence[int]) -> None:
+    def add(self, mapping: PinnedMapping, view: memoryview, parts: Sequence[ChunkPart]) -> None:
         copy = self._copy
         if view.nbytes != copy.chunk_bytes:
             raise ValueError(f"a stored chunk of {view.nbytes} B staged where {copy.chunk_bytes} B are expected")
-        if first < 0 or first + len(block_ids) > copy.blocks_per_chunk:
-            raise ValueError(f"blocks {first} .. {first + len(block_ids)} of a {copy.blocks_per_chunk}-block chunk")
+        if len(parts) != copy.pages.group_count:
+            raise ValueError(
+                f"{len(parts)} group part(s) of a chunk staged for {copy.pages.group_count} cache group(s)"
+            )
+        for part in parts:
+            if part.first < 0 or part.first + len(part.targets) > copy.blocks_per_chunk:
+                raise ValueError(
+                    f"blocks {part.first} .. {part.first + len(part.targets)} of a {copy.blocks_per_chunk}-block chunk"
+                )
         if len(self.staged) >= copy.chunks_per_load:
             raise RuntimeError("flush_load after chunks_per_load chunks")
-        self.staged.append(StagedChunk(mapping.offset(view), first, list(block_ids)))
+        self.staged.append(StagedChunk(mapping.offset(view), tuple(ChunkPart(p.first, list(p.targets)) for p in parts)))
 
     def take(self) -> list[StagedChunk]:
         staged, self.staged = self.staged, []

@@ -158,7 +158,8 @@ class DataPath:
         self.copy.begin_loads()
 
     def load(self, transfer: ChunkTransfer, proceed: Callable[[int], bool] | None = None) -> int:
-        """Restore the leading stored chunks of ``transfer``; returns the blocks restored.
+        """Restore the leading stored chunks of ``transfer``; returns the block positions
+        restored (in every cache group).
 
         ``proceed(chunks_so_far)``, asked before each further gateway request, may stop the load.
         Called after `begin_loads`, on any one thread at a time.
@@ -176,8 +177,8 @@ class DataPath:
             if view.nbytes != size or len(accepted) != i:
                 return  # Another layout's bytes, or a gap: restore nothing more.
             plan = chunk_load(unread + i, per, transfer.skip_blocks, transfer.block_ids)
-            if plan.targets:
-                copy.stage_load(mapping, view, plan.first, plan.targets)
+            if plan.restores:
+                copy.stage_load(mapping, view, plan.parts)
                 accepted.append(plan.blocks)
 
         def go_on(done: int) -> bool:
@@ -193,7 +194,7 @@ class DataPath:
         )
         restored = min(chunks, len(accepted))
         self._count(loaded_chunks=restored, loaded_bytes=restored * size)
-        unread_blocks = min(blocks_before(unread, per, transfer.skip_blocks), len(transfer.block_ids))
+        unread_blocks = min(blocks_before(unread, per, transfer.skip_blocks), transfer.blocks)
         return unread_blocks + sum(accepted[:restored])
 
     def wait_layer(self, layer_name: str) -> None:

@@ -27,8 +27,16 @@ from collections.abc import Sequence
 
 import torch
 
-from kvharbor.connector.vllm.chunks import contiguous_runs
-from kvharbor.connector.vllm.copier import LoadStage, StagingUnavailable, StepSave, Wait, load_request_chunks, no_wait
+from kvharbor.connector.vllm.chunks import ChunkPart, GroupBlocks, contiguous_runs
+from kvharbor.connector.vllm.copier import (
+    LoadStage,
+    StagedChunk,
+    StagingUnavailable,
+    StepSave,
+    Wait,
+    load_request_chunks,
+    no_wait,
+)
 from kvharbor.connector.vllm.pages import PageLayers, block_major
 from kvharbor.connector.vllm.pinning import PinnedMapping
 from kvharbor.connector.vllm.streams import Event, engine_stream, new_stream, synchronize
@@ -44,14 +52,16 @@ class DeviceCopy:
         blocks_per_chunk: int,
         load_batch_bytes: int,
         save_staging_bytes_max: int,
+        groups: Sequence[int] | None = None,
     ) -> None:
         """``load_batch_bytes``: bytes asked of the gateway per load request, and the size of each
         of the two device staging slots loads pass through (one is copied in while the other is
         scattered). ``save_staging_bytes_max``: device memory that saves still waiting for their
-        device-to-host copy may hold (at least one chunk)."""
+        device-to-host copy may hold (at least one chunk). ``groups``: each tensor's KV cache
+        group (None: one group)."""
         if blocks_per_chunk <= 0:
             raise ValueError(f"blocks_per_chunk {blocks_per_chunk} must be positive")
-        self.pages = PageLayers.of(tensors, num_blocks, block_major)
+        self.pages = PageLayers.of(tensors, num_blocks, block_major, groups)
         self.blocks_per_chunk = blocks_per_chunk
         self.chunks_per_load = load_request_chunks(load_batch_bytes, self.chunk_bytes)
         self.save_staging_bytes_max = max(save_staging_bytes_max, self.chunk_bytes)
@@ -103,8 +113,8 @@ class DeviceCopy:
         # Recorded here, on the engine's thread: on the loader thread the current stream is another.
         self._engine_before_loads = engine_stream(self.device).record()
 
-    def stage_load(self, mapping: PinnedMapping, view: memoryview, first: int, block_ids: Sequence[int]) -> None:
-        self._stage.add(mapping, view, first, block_ids)
+    def stage_load(self, mapping: PinnedMapping, view: memoryview, parts: Sequence[ChunkPart]) -> None:
+        self._stage.add(mapping, view, parts)
 
     def flush_load(self, mapping: PinnedMapping) -> Wait:
         """Copy the staged chunks in and scatter them; the returned wait blocks until
@@ -126,27 +136,36 @@ class DeviceCopy:
                 source = mapping.tensor[offset : offset + count * size]
                 slot[at * size : (at + count) * size].copy_(source, non_blocking=True)
             copied = self._h2d.record()
-        chunk_index: list[int] = []
-        block_index: list[int] = []
-        targets: list[int] = []
-        for c, chunk in enumerate(staged):
-            chunk_index += [c] * len(chunk.block_ids)
-            block_index += range(chunk.first, chunk.first + len(chunk.block_ids))
-            targets += chunk.block_ids
         layers, elems, shape = self.pages.layers, self.pages.page_elems, self.pages.page_shape
         with self._scatter.on():
             self._scatter.wait(engine)
             self._scatter.wait(copied)
             pages = slot[: len(staged) * size].view(self.pages.dtype).view(len(staged), len(layers), -1, elems)
-            c_index, b_index, t_index = self.index(chunk_index, block_index, targets)
+            scatters = [self._scatter_index(staged, group) for group in range(self.pages.group_count)]
             ready = []
-            for layer_index, layer in enumerate(layers):
-                rows = pages[c_index, layer_index, b_index]
-                layer.index_copy_(0, t_index, rows.view(len(targets), *shape))
+            for layer_index, (layer, group) in enumerate(zip(layers, self.pages.groups, strict=True)):
+                scatter = scatters[group]
+                if scatter is not None:
+                    c_index, b_index, t_index = scatter
+                    rows = pages[c_index, layer_index, b_index]
+                    layer.index_copy_(0, t_index, rows.view(len(t_index), *shape))
                 ready.append(self._scatter.record())
             self._slot_free[slot_index] = ready[-1]
             self._layer_ready = ready
         return copied.synchronize
+
+    def _scatter_index(self, staged: Sequence[StagedChunk], group: int) -> torch.Tensor | None:
+        """``(chunk, block in chunk, target block)`` rows of one group's scatter, on the device;
+        None when the group restores nothing from these chunks (out of its window)."""
+        chunk_index: list[int] = []
+        block_index: list[int] = []
+        targets: list[int] = []
+        for c, chunk in enumerate(staged):
+            part = chunk.parts[group]
+            chunk_index += [c] * len(part.targets)
+            block_index += range(part.first, part.first + len(part.targets))
+            targets += part.targets
+        return self.index(chunk_index, block_index, targets) if targets else None
 
     def wait_layer(self, layer: int) -> None:
         if self._layer_ready:
@@ -160,7 +179,7 @@ class DeviceCopy:
 
     # -- saves: blocks -> staging (during the forward) -> shared memory (behind it) ------
 
-    def open_save(self, block_ids: Sequence[Sequence[int]], wait_s: float) -> StepSave | None:
+    def open_save(self, block_ids: Sequence[GroupBlocks], wait_s: float) -> StepSave | None:
         """Staging for the chunks that fit in ``save_staging_bytes_max``."""
         chunks = min(len(block_ids), self.save_staging_bytes_max // self.chunk_bytes)
         if chunks <= 0:
@@ -181,13 +200,16 @@ class DeviceCopy:
                 if not room:
                     return None
             self._staging_bytes += nbytes
-        flat = [b for ids in block_ids[:chunks] for b in ids]
-        if len(flat) != chunks * self.blocks_per_chunk:
+        per_group = [[b for blocks in block_ids[:chunks] for b in blocks[g]] for g in range(self.pages.group_count)]
+        if any(len(flat) != chunks * self.blocks_per_chunk for flat in per_group):
             self.give_back(nbytes)
-            raise ValueError(f"{len(flat)} blocks for {chunks} whole chunks of {self.blocks_per_chunk} blocks")
+            raise ValueError(
+                f"{[len(flat) for flat in per_group]} blocks per group for {chunks} whole chunks of "
+                f"{self.blocks_per_chunk} blocks"
+            )
         try:
             with self.gathers.on():
-                ids = self.index(flat)[0]
+                ids = self.index(*per_group)
                 staging = torch.empty(
                     (chunks, len(self.pages.layers), self.blocks_per_chunk, self.pages.page_elems),
                     dtype=self.pages.dtype,
@@ -222,7 +244,7 @@ class _DeviceSave:
         self.copy = copy
         self.chunks = chunks
         self.ids = ids
-        """Block ids, ``blocks_per_chunk`` per chunk, on the device."""
+        """``(groups, chunks x blocks_per_chunk)``: each group's block ids, on the device."""
         self.staging = staging
         """``(chunks, layers, blocks_per_chunk, page)``: chunk c is the bytes it is stored as."""
         self.nbytes = nbytes
@@ -240,7 +262,7 @@ class _DeviceSave:
         written = engine_stream(copy.device).record()
         with copy.gathers.on():
             copy.gathers.wait(written)
-            pages = copy.pages.layers[layer].index_select(0, self.ids)
+            pages = copy.pages.layers[layer].index_select(0, self.ids[copy.pages.groups[layer]])
             self.staging[:, layer].copy_(pages.view(self.chunks, copy.blocks_per_chunk, copy.pages.page_elems))
         self.gathered[layer] = True
 

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kvharbor.connector.vllm.chunks import ChunkPart, GroupBlocks
 from kvharbor.connector.vllm.copier import LoadStage, StepSave, Wait, load_request_chunks, no_wait
 from kvharbor.connector.vllm.pages import PageLayers, block_first
 from kvharbor.connector.vllm.pinning import PinnedMapping
@@ -23,9 +24,15 @@ class HostCopy:
     """Saves read the blocks in the step: no staging to wait for."""
 
     def __init__(
-        self, tensors: Sequence[torch.Tensor], num_blocks: int, blocks_per_chunk: int, load_batch_bytes: int
+        self,
+        tensors: Sequence[torch.Tensor],
+        num_blocks: int,
+        blocks_per_chunk: int,
+        load_batch_bytes: int,
+        groups: Sequence[int] | None = None,
     ) -> None:
-        self.pages = PageLayers.of(tensors, num_blocks, block_first)
+        """``groups``: each tensor's KV cache group (None: one group)."""
+        self.pages = PageLayers.of(tensors, num_blocks, block_first, groups)
         self.blocks_per_chunk = blocks_per_chunk
         self.chunks_per_load = load_request_chunks(load_batch_bytes, self.chunk_bytes)
         self._stage = LoadStage(self)
@@ -46,15 +53,18 @@ class HostCopy:
     def begin_loads(self) -> None:
         pass  # The engine's work on the CPU is done when it returns: nothing to order after.
 
-    def stage_load(self, mapping: PinnedMapping, view: memoryview, first: int, block_ids: Sequence[int]) -> None:
-        self._stage.add(mapping, view, first, block_ids)
+    def stage_load(self, mapping: PinnedMapping, view: memoryview, parts: Sequence[ChunkPart]) -> None:
+        self._stage.add(mapping, view, parts)
 
     def flush_load(self, mapping: PinnedMapping) -> Wait:
+        pages = self.pages
         for chunk in self._stage.take():
-            index = torch.tensor(chunk.block_ids, dtype=torch.long, device=self.pages.device)
-            end = chunk.first + len(chunk.block_ids)
-            for layer, source in zip(self.pages.layers, self.chunk_pages(mapping, chunk.offset), strict=True):
-                layer.index_copy_(0, index, source[chunk.first : end])
+            index = [torch.tensor(part.targets, dtype=torch.long, device=pages.device) for part in chunk.parts]
+            sources = self.chunk_pages(mapping, chunk.offset)
+            for layer, group, source in zip(pages.layers, pages.groups, sources, strict=True):
+                part = chunk.parts[group]
+                if part.targets:
+                    layer.index_copy_(0, index[group], source[part.first : part.first + len(part.targets)])
         return no_wait  # Copied when it returns.
 
     def wait_layer(self, layer: int) -> None:
@@ -63,7 +73,7 @@ class HostCopy:
     def wait_loads(self) -> None:
         pass
 
-    def open_save(self, block_ids: Sequence[Sequence[int]], wait_s: float) -> StepSave | None:
+    def open_save(self, block_ids: Sequence[GroupBlocks], wait_s: float) -> StepSave | None:
         return _HostSave(self, block_ids) if block_ids else None
 
     def close(self) -> None:
@@ -73,7 +83,7 @@ class HostCopy:
 class _HostSave:
     """Pages are read from the blocks when a chunk is staged (the step waits for it)."""
 
-    def __init__(self, copy: HostCopy, block_ids: Sequence[Sequence[int]]) -> None:
+    def __init__(self, copy: HostCopy, block_ids: Sequence[GroupBlocks]) -> None:
         self._copy = copy
         self._block_ids = block_ids
 
@@ -88,14 +98,18 @@ class _HostSave:
         pass
 
     def stage(self, chunk: int, mapping: PinnedMapping, view: memoryview) -> None:
-        copy = self._copy
+        copy, pages = self._copy, self._copy.pages
         blocks = self._block_ids[chunk]
-        if view.nbytes != copy.chunk_bytes or len(blocks) != copy.blocks_per_chunk:
-            raise ValueError(f"chunk {chunk}: {len(blocks)} blocks into {view.nbytes} B, not a whole chunk")
-        index = torch.tensor(blocks, dtype=torch.long, device=copy.pages.device)
+        whole = len(blocks) == pages.group_count and all(len(ids) == copy.blocks_per_chunk for ids in blocks)
+        if view.nbytes != copy.chunk_bytes or not whole:
+            raise ValueError(
+                f"chunk {chunk}: {[len(ids) for ids in blocks]} blocks per group into {view.nbytes} B, "
+                "not a whole chunk"
+            )
+        index = [torch.tensor(ids, dtype=torch.long, device=pages.device) for ids in blocks]
         targets = copy.chunk_pages(mapping, mapping.offset(view))
-        for layer, target in zip(copy.pages.layers, targets, strict=True):
-            torch.index_select(layer, 0, index, out=target)
+        for layer, group, target in zip(pages.layers, pages.groups, targets, strict=True):
+            torch.index_select(layer, 0, index[group], out=target)
 
     def flush(self, mapping: PinnedMapping) -> Wait:
         return no_wait  # Copied when staged.

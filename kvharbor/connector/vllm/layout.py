@@ -35,6 +35,8 @@ class CacheGroup:
     layer_names: tuple[str, ...]
     page_bytes: int
     descriptor: str
+    block_size: int
+    """Tokens per block of this group."""
     sliding_window: int | None = None
     """Tokens a layer of a sliding-window group attends to; None for the other kinds."""
 
@@ -58,6 +60,7 @@ def describe_groups(kv_cache_config: Any) -> list[CacheGroup]:
                 tuple(group.layer_names),
                 int(spec.page_size_bytes),
                 descriptor,
+                int(spec.block_size),
                 None if window is None else int(window),
             )
         )
@@ -69,12 +72,23 @@ def smallest_window(groups: Sequence[CacheGroup]) -> int | None:
     return min((g.sliding_window for g in groups if g.sliding_window is not None), default=None)
 
 
+def restore_reach(groups: Sequence[CacheGroup]) -> int | None:
+    """How far back from its end a restore reads, in tokens: the largest sliding window when
+    every group has one; None (from the start) when some group attends to every token."""
+    windows = [g.sliding_window for g in groups]
+    if not windows or any(w is None for w in windows):
+        return None
+    return max(w for w in windows if w is not None)
+
+
 SLIDING_WINDOW = "SlidingWindowSpec"
 _EXCHANGEABLE = {"FullAttentionSpec", SLIDING_WINDOW}
 """Spec kinds whose pages the connector knows how to store and restore."""
 
 
-def check_groups(groups: Sequence[CacheGroup], vllm_config: Any, num_gpu_blocks: int, chunk_size: int) -> None:
+def check_groups(
+    groups: Sequence[CacheGroup], vllm_config: Any, num_gpu_blocks: int, chunk_size: int, block_size: int
+) -> None:
     """Refuse, naming the cache, when a group cannot be exchanged safely."""
     mamba = [g for g in groups if "Mamba" in g.kind]
     if mamba:
@@ -91,12 +105,27 @@ def check_groups(groups: Sequence[CacheGroup], vllm_config: Any, num_gpu_blocks:
             f"can reach; first of each kind: {names}. kvharbor exchanges full-attention and sliding-window caches only "
             "(tell us the model and this line)"
         )
+    pp_size = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
+    if len(groups) > 1 and pp_size > 1:
+        raise ConnectorRefusal(
+            f"pipeline parallelism {pp_size} with {len(groups)} KV cache groups "
+            f"({', '.join(f'group {g.index} {g.kind}' for g in groups)}): kvharbor exchanges several groups "
+            "only with --pipeline-parallel-size 1"
+        )
+    # A stored chunk is every group's pages of the same block positions (`chunks.GroupBlocks`).
+    other = [g for g in groups if g.block_size != block_size]
+    if other:
+        sizes = ", ".join(f"group {g.index} {g.kind} {g.block_size}" for g in other)
+        raise ConnectorRefusal(
+            f"KV cache groups with blocks of another size than --block-size {block_size} ({sizes} tokens): "
+            "kvharbor exchanges groups whose blocks hold the same tokens (tell us the model and this line)"
+        )
     for group in groups:
         if group.kind == SLIDING_WINDOW:
-            check_sliding_window(group, len(groups), vllm_config, chunk_size)
+            check_sliding_window(group, vllm_config, chunk_size)
 
 
-def check_sliding_window(group: CacheGroup, group_count: int, vllm_config: Any, chunk_size: int) -> None:
+def check_sliding_window(group: CacheGroup, vllm_config: Any, chunk_size: int) -> None:
     """A sliding-window group is stored as full attention is, chunk by chunk, in the step that
     computes the chunk; vLLM frees a request's blocks that fall out of the window as it goes
     (their place in the request's block table becomes the null block). A save reads blocks
@@ -105,16 +134,13 @@ def check_sliding_window(group: CacheGroup, group_count: int, vllm_config: Any, 
     - the chunk fits the window: a chunk completed by a step began at most chunk_size - 1
       tokens before the step, and vLLM keeps the last window - 1 tokens before it;
     - the save has read them before vLLM schedules again: asynchronous scheduling frees and
-      hands out blocks for the next step while this one runs;
-    - one group: vLLM's hybrid allocator (other groups beside it) is not supported yet.
+      hands out blocks for the next step while this one runs.
+
+    Beside full-attention groups (vLLM's hybrid allocator), a chunk's object holds the
+    window group's pages too, so a restore reads them for every chunk and copies them only
+    into the blocks vLLM allocated (those in the window at the restore's end).
     """
     window = group.sliding_window
-    if group_count > 1:
-        raise ConnectorRefusal(
-            f"sliding-window group {group.index} (window {window} tokens) is one of {group_count} cache groups: "
-            "kvharbor exchanges a sliding-window model whose every layer attends to the window (one group), "
-            "not vLLM's hybrid groups yet"
-        )
     if window is None or window < chunk_size:
         raise ConnectorRefusal(
             f"sliding-window group {group.index} (window {window} tokens): engine.chunk_size {chunk_size} is larger "
@@ -185,8 +211,19 @@ class VllmLayout:
 
     @property
     def window_tokens(self) -> int | None:
-        """The smallest sliding window of the engine's cache groups; None without one."""
-        return smallest_window(self.groups)
+        """How far back from its end a restore reads (`restore_reach`); None: from the start."""
+        return restore_reach(self.groups)
+
+    def groups_of(self, layer_names: Sequence[str]) -> tuple[int, ...]:
+        """The cache group of each layer vLLM registered; `ConnectorRefusal` for a layer in none."""
+        group_of = {name: g.index for g in self.groups for name in g.layer_names}
+        unknown = [name for name in layer_names if name not in group_of]
+        if unknown:
+            raise ConnectorRefusal(
+                f"KV cache tensors registered for layer(s) in no cache group of the KV cache config: "
+                f"{', '.join(unknown[:3])}"
+            )
+        return tuple(group_of[name] for name in layer_names)
 
 
 def build_layout(vllm_config: Any, kv_cache_config: Any, config: Config) -> VllmLayout:
@@ -203,7 +240,7 @@ def build_layout(vllm_config: Any, kv_cache_config: Any, config: Config) -> Vllm
             f"set engine.chunk_size to {max(1, chunk_size // block_size) * block_size} "
             f"or --block-size to a divisor of {chunk_size}"
         )
-    check_groups(groups, vllm_config, int(kv_cache_config.num_blocks), chunk_size)
+    check_groups(groups, vllm_config, int(kv_cache_config.num_blocks), chunk_size, block_size)
     tp_size = int(parallel.tensor_parallel_size)
     pp_size = int(parallel.pipeline_parallel_size)
     device = str(getattr(vllm_config.device_config, "device_type", "") or "")

@@ -17,15 +17,16 @@ class ChunkTransfer:
     """Consecutive chunks of one request and the blocks that hold them.
 
     ``keys[rank][i]`` names chunk i of this transfer for that rank;
-    ``block_ids`` lists the blocks of those chunks in order, ``blocks_per_chunk``
-    to a chunk. A load may cover only part of its first chunk (blocks vLLM's
-    own prefix cache already filled: ``skip_blocks``) and of its last (a load
-    stops one token short of the prompt so vLLM computes the last position).
+    ``block_ids[group]`` lists the blocks of those chunks in order, ``blocks_per_chunk``
+    to a chunk, for every KV cache group (`chunks.GroupBlocks`). A load may cover only
+    part of its first chunk (blocks vLLM's own prefix cache already filled:
+    ``skip_blocks``) and of its last (a load stops one token short of the prompt so
+    vLLM computes the last position).
     """
 
     request_id: str
     keys: Sequence[Sequence[bytes]]
-    block_ids: list[int]
+    block_ids: Sequence[Sequence[int]]
     skip_blocks: int = 0
     recompute_s: tuple[float, ...] = ()
     """Loads: the scheduler's estimate of each chunk's recompute time (empty: unknown);
@@ -37,10 +38,17 @@ class ChunkTransfer:
     def __post_init__(self) -> None:
         assert self.keys and all(len(k) == len(self.keys[0]) for k in self.keys), "one key list per rank"
         assert self.skip_blocks >= 0, self.skip_blocks
+        assert self.block_ids and all(len(ids) == len(self.block_ids[0]) for ids in self.block_ids), (
+            "one block list per group, all of one length")  # fmt: skip
 
     @property
     def chunks(self) -> int:
         return len(self.keys[0])
+
+    @property
+    def blocks(self) -> int:
+        """Block positions of the transfer (each group holds as many)."""
+        return len(self.block_ids[0])
 
 
 @dataclass

@@ -1,7 +1,9 @@
 """vLLM's paged KV cache tensors seen as pages: one row per block, every layer alike.
 
 A stored chunk is, for each registered layer in registration order, the pages
-of the chunk's blocks in block order: ``[layer][block][page bytes]``. A page
+of the chunk's blocks in block order: ``[layer][block][page bytes]``, each layer's
+blocks those of its KV cache group (vLLM's hybrid allocator gives each group
+blocks of its own, and may back layers of different groups with one tensor). A page
 is opaque here (its inner layout is the attention backend's business and is
 part of the layout fingerprint); only the block dimension is interpreted.
 
@@ -80,12 +82,24 @@ class PageLayers:
     page_shape: tuple[int, ...]
     dtype: torch.dtype
     device: torch.device
+    groups: tuple[int, ...]
+    """The KV cache group of each layer (whose block ids address it)."""
+    group_count: int
 
     @classmethod
-    def of(cls, tensors: Sequence[torch.Tensor], num_blocks: int, view: PageView) -> PageLayers:
-        """Raises `ConnectorRefusal` when a tensor has no block dimension or the layers differ."""
+    def of(
+        cls, tensors: Sequence[torch.Tensor], num_blocks: int, view: PageView, groups: Sequence[int] | None = None
+    ) -> PageLayers:
+        """``groups``: each tensor's KV cache group, of ``0 .. max``; None: one group.
+        Raises `ConnectorRefusal` when a tensor has no block dimension or the layers differ."""
         if not tensors:
             raise ConnectorRefusal("vLLM registered no KV cache tensors")
+        layer_groups = tuple(groups) if groups is not None else (0,) * len(tensors)
+        if len(layer_groups) != len(tensors) or min(layer_groups) < 0:
+            raise ValueError(f"{len(layer_groups)} group indices for {len(tensors)} KV cache tensors")
+        group_count = max(layer_groups) + 1
+        if set(layer_groups) != set(range(group_count)):
+            raise ValueError(f"KV cache groups {sorted(set(layer_groups))} leave one out")
         layers = tuple(view(t, num_blocks) for t in tensors)
         first = layers[0]
         page_shape, dtype = tuple(first.shape[1:]), first.dtype
@@ -95,7 +109,7 @@ class PageLayers:
                     f"KV cache tensors differ in page shape or dtype ({tuple(layer.shape[1:])} {layer.dtype} vs "
                     f"{page_shape} {dtype}); the connector exchanges uniform layers only"
                 )
-        return cls(layers, page_shape, dtype, first.device)
+        return cls(layers, page_shape, dtype, first.device, layer_groups, group_count)
 
     @property
     def page_elems(self) -> int:

@@ -26,7 +26,7 @@ from kvharbor.cache.keys import ChunkKey
 from kvharbor.config import Config
 from kvharbor.connector.link import CacheLink
 from kvharbor.connector.verifier import Verification, Verifier
-from kvharbor.connector.vllm.chunks import leading_nulls
+from kvharbor.connector.vllm.chunks import leading_nulls, span
 from kvharbor.connector.vllm.layout import VllmLayout
 from kvharbor.connector.vllm.metadata import ChunkTransfer, KVHarborMetadata
 from kvharbor.connector.vllm.stats import empty
@@ -41,7 +41,8 @@ class _Request:
     keys: list[list[ChunkKey]]
     """Per rank, the keys of the prompt's full chunks."""
     prompt_tokens: int
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)
+    """Per KV cache group, the request's blocks (`chunks.GroupBlocks`); empty until scheduled."""
     saved_chunks: int = 0
     """Chunks already planned for saving (or known to be stored)."""
     local_tokens: int = 0
@@ -236,7 +237,7 @@ class SchedulerSide:
             return
         block = self.layout.block_size
         per_chunk = self.layout.blocks_per_chunk
-        block_ids = list(blocks.get_block_ids()[0])
+        block_ids = blocks.get_block_ids()
         start_block = state.local_tokens // block
         end_block = (state.local_tokens + num_external_tokens) // block
         assert state.local_tokens % block == 0 and num_external_tokens % block == 0, (
@@ -245,7 +246,7 @@ class SchedulerSide:
         load = ChunkTransfer(
             request_id=request.request_id,
             keys=[keys[first_chunk:last_chunk] for keys in state.keys],
-            block_ids=block_ids[start_block:end_block],
+            block_ids=span(block_ids, start_block, end_block),
             skip_blocks=start_block - first_chunk * per_chunk,
             recompute_s=(
                 self.planner.chunk_recompute_s(state.local_tokens, state.local_tokens + num_external_tokens)
@@ -269,7 +270,7 @@ class SchedulerSide:
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
             if state is not None:
-                state.block_ids = list(new.block_ids[0])
+                state.block_ids = [list(ids) for ids in new.block_ids]
                 self._plan_save(meta, new.req_id, state, new.num_computed_tokens + scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         resumed = _resumed(cached)
@@ -279,9 +280,12 @@ class SchedulerSide:
                 continue
             new_blocks = cached.new_block_ids[i]
             if req_id in resumed:
-                state.block_ids = list(new_blocks[0]) if new_blocks else []
+                state.block_ids = [list(ids) for ids in new_blocks] if new_blocks else []
             elif new_blocks:
-                state.block_ids.extend(new_blocks[0])
+                if not state.block_ids:
+                    state.block_ids = [[] for _ in new_blocks]
+                for ids, added in zip(state.block_ids, new_blocks, strict=True):
+                    ids.extend(added)
             self._plan_save(meta, req_id, state, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
         if not meta.loads:
             meta.step_flops = self._prefill_flops(scheduler_output)
@@ -333,7 +337,9 @@ class SchedulerSide:
             load = state.load
             if load is None:
                 continue
-            failed = next((i for i, block in enumerate(load.block_ids) if block in block_ids), None)
+            failed = min(
+                (i for ids in load.block_ids for i, block in enumerate(ids) if block in block_ids), default=None
+            )
             if failed is not None:
                 chunk = state.load_first_chunk + (load.skip_blocks + failed) // per_chunk
                 state.saved_chunks = min(state.saved_chunks, chunk)
@@ -442,13 +448,14 @@ class SchedulerSide:
         """Save the prompt chunks complete after this step that are not saved yet."""
         per_chunk = self.layout.blocks_per_chunk
         done = min(computed_after, state.prompt_tokens) // self.layout.chunk_size
-        done = min(done, len(state.block_ids) // per_chunk, len(state.keys[0]))
+        held = len(state.block_ids[0]) if state.block_ids else 0
+        done = min(done, held // per_chunk, len(state.keys[0]))
         if done <= state.saved_chunks:
             return
         first = state.saved_chunks
         # Null blocks (they lead) are out of a sliding window: vLLM freed them, nothing is left
         # to save there. `check_sliding_window` keeps a step's new chunks clear of them.
-        nulls = leading_nulls(state.block_ids[first * per_chunk : done * per_chunk])
+        nulls = max(leading_nulls(ids) for ids in span(state.block_ids, first * per_chunk, done * per_chunk))
         if nulls:
             skipped = min(done, first + -(-nulls // per_chunk)) - first
             self.counters.window_unsaved += skipped
@@ -465,7 +472,7 @@ class SchedulerSide:
             ChunkTransfer(
                 request_id=req_id,
                 keys=[keys[first:done] for keys in state.keys],
-                block_ids=state.block_ids[first * per_chunk : done * per_chunk],
+                block_ids=span(state.block_ids, first * per_chunk, done * per_chunk),
                 ends_prompt=done == len(state.keys[0]),
             )
         )

@@ -79,6 +79,7 @@ from kvharbor.cache.keys import namespace_tag
 from kvharbor.config import Config
 from kvharbor.connector.link import CacheLink, say_off
 from kvharbor.connector.ranks import RankAgreement, SoleRank
+from kvharbor.connector.vllm.chunks import NULL_BLOCK
 from kvharbor.connector.vllm.copier import PageCopy
 from kvharbor.connector.vllm.datapath import DataPath, SaveParts
 from kvharbor.connector.vllm.device_copy import DeviceCopy
@@ -152,14 +153,17 @@ class WorkerSide:
 
     def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
         tensors = list(kv_caches.values())
+        groups = self.layout.groups_of(list(kv_caches))
         engine, per_chunk = self.config.engine, self.layout.blocks_per_chunk
         device = tensors[0].device
         on_gpu = device.type == "cuda"
         copy: PageCopy
         if on_gpu:
-            copy = DeviceCopy(tensors, num_blocks, per_chunk, engine.load_batch_bytes, engine.save_staging_bytes_max)
+            copy = DeviceCopy(
+                tensors, num_blocks, per_chunk, engine.load_batch_bytes, engine.save_staging_bytes_max, groups
+            )
         else:
-            copy = HostCopy(tensors, num_blocks, per_chunk, engine.load_batch_bytes)
+            copy = HostCopy(tensors, num_blocks, per_chunk, engine.load_batch_bytes, groups)
         self._check_chunk_bytes(copy.chunk_bytes)
         _log.info(
             "kvharbor: %d %scache tensors registered (rank %d, page %d B, %.2f MiB per %d-token chunk; layout %s)",
@@ -182,8 +186,8 @@ class WorkerSide:
         if expected and registered != expected:
             raise ConnectorRefusal(
                 f"the registered KV cache holds {registered} bytes per chunk where the KV cache config says "
-                f"{expected} ({', '.join(g.descriptor for g in self.layout.groups)}); layers sharing a cache "
-                "are not supported"
+                f"{expected} ({', '.join(g.descriptor for g in self.layout.groups)}): its chunks would never "
+                "match the scheduler's (tell us the model and this line)"
             )
 
     # -- steps --------------------------------------------------------------------------
@@ -254,9 +258,10 @@ class WorkerSide:
             say_off(meta.cache_off)
         short = set()
         for transfer, blocks in zip(meta.loads, agreed, strict=True):
-            self._load_errors.update(transfer.block_ids[blocks:])
-            self._count(load_errors=len(transfer.block_ids) - blocks)
-            if blocks < len(transfer.block_ids):
+            # Every group's blocks past those restored (a null block is nobody's, not an error).
+            self._load_errors.update(b for ids in transfer.block_ids for b in ids[blocks:] if b != NULL_BLOCK)
+            self._count(load_errors=transfer.blocks - blocks)
+            if blocks < transfer.blocks:
                 short.add(transfer.request_id)
         if short:
             meta.saves = [save for save in meta.saves if save.request_id not in short]
@@ -264,7 +269,7 @@ class WorkerSide:
             self._count(loads=1, load_seconds=time.perf_counter() - started, cache_off=int(self._load_link.is_off))
 
     def _restore_all(self, transfers: Sequence[ChunkTransfer]) -> list[int]:
-        """This rank's restores: per transfer, how many of its leading blocks it filled."""
+        """This rank's restores: per transfer, how many of its leading block positions it filled."""
         path = self._path
         if path is None:
             return [0] * len(transfers)

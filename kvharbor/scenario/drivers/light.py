@@ -154,7 +154,7 @@ class LightEngine:
             loaded, bad = self._load(load.keys)
             wrong += bad
             if loaded < len(load.keys[0]):  # vLLM recomputes from the first block not loaded.
-                failed = load.block_ids[max(0, loaded * layout.blocks_per_chunk - load.skip_blocks) :]
+                failed = load.block_ids[0][max(0, loaded * layout.blocks_per_chunk - load.skip_blocks) :]
                 cached = min(cached, max(0, loaded * layout.chunk_size - load.skip_blocks * layout.block_size))
                 self.scheduler.observe_load_errors(set(failed))
                 meta.saves.extend(
