@@ -11,9 +11,10 @@ is the same shape as a Llama whose even layers attend to the window and odd ones
 blocks of its own). ``--cases`` picks some of the cases by name. Then for each
 runs two engine processes one after the other with ``KVHARBOR=1`` and the default embedded
 gateway (which lingers between them, holding its RAM tier): the first answers the prompt
-cold, the second answers it again. The sliding-window model runs with asynchronous
-scheduling off (kvharbor refuses it for such a model), and once more with vLLM's default, to
-show what that default does. Prints one JSON line per engine: the tokens restored
+cold, the second answers it again; each then answers it once more with vLLM's own prefix
+cache emptied (``again_*``: a restore from kvharbor in a warm process). The sliding-window
+model runs with asynchronous scheduling off (kvharbor refuses it for such a model), and once
+more with vLLM's default, to show what that default does. Prints one JSON line per engine: the tokens restored
 (``num_cached_tokens``), the output ids and the answer's time; then a summary line.
 Nothing is asserted.
 """
@@ -85,10 +86,15 @@ def engine(model: str, tokens: int, asynchronous: str) -> None:
         kwargs.update(gpu_memory_utilization=0.3, max_model_len=4096)
     llm = LLM(model=model, enforce_eager=True, **kwargs)
     params = SamplingParams(max_tokens=1 if large else MAX_TOKENS, temperature=0)
-    start = time.perf_counter()
-    (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt(tokens))], params)
-    seconds = time.perf_counter() - start
-    answer = {"cached": out.num_cached_tokens, "output": list(out.outputs[0].token_ids), "seconds": seconds}
+    answer: dict[str, Any] = {}
+    for attempt in ("", "again_"):  # again: vLLM's own prefix cache emptied, kvharbor's kept
+        start = time.perf_counter()
+        (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt(tokens))], params)
+        seconds = time.perf_counter() - start
+        answer |= {f"{attempt}cached": out.num_cached_tokens, f"{attempt}seconds": seconds}
+        answer.setdefault("output", list(out.outputs[0].token_ids))
+        answer[f"{attempt}same_output"] = list(out.outputs[0].token_ids) == answer["output"]
+        llm.reset_prefix_cache()
     print("ANSWER " + json.dumps(answer), flush=True)
 
 
@@ -166,6 +172,7 @@ def main() -> None:
                 "restored_tokens": warm["cached"],
                 "same_output": warm["output"] == cold["output"],
                 "restart_vs_cold": warm["seconds"] / cold["seconds"],
+                "warm_restore_vs_cold": warm["again_seconds"] / cold["seconds"],
             }
     print("SUMMARY " + json.dumps(summary), flush=True)
 

@@ -71,6 +71,18 @@ def test_layers_of_different_page_shapes_or_dtypes_are_refused(view: object) -> 
         PageLayers.of(other_dtype, NUM_BLOCKS, view)  # type: ignore[arg-type]
 
 
+def test_each_groups_layers_lie_together_and_their_bytes_are_found() -> None:
+    layers = PageLayers.of(cpu_cache(), NUM_BLOCKS, block_first, [0, 0, 1])
+    page = layers.page_bytes
+    assert (layers.group_count, layers.group_bytes(0, 4), layers.group_bytes(1, 4)) == (
+        2,
+        (0, 8 * page),
+        (8 * page, 12 * page),
+    )
+    with pytest.raises(ValueError, match="each group's layers together"):
+        PageLayers.of(cpu_cache(), NUM_BLOCKS, block_first, [0, 1, 0])
+
+
 # -- chunks -------------------------------------------------------------------------------
 
 

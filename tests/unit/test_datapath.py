@@ -139,13 +139,14 @@ def test_save_then_restore_round_trip_with_partial_chunks(backend: str) -> None:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_hybrid_cache_round_trips_each_group_through_its_own_blocks(backend: str) -> None:
-    """vLLM's hybrid allocator: layers 0 and 2 in a full-attention group, layer 1 in a
-    sliding-window group with blocks of its own, backed by the same tensor as layer 0 (vLLM
-    shares a tensor between one layer of each group); a load fills the window group only
-    where vLLM allocated blocks (in the window), and nothing else of it."""
+    """vLLM's hybrid allocator: two layers in a full-attention group, one in a sliding-window
+    group with blocks of its own, backed by the same tensor as the first (vLLM shares a tensor
+    between one layer of each group; the worker registers each group's layers together); a
+    load fills the window group only where vLLM allocated blocks (in the window), and
+    nothing else of it."""
     full0, full2 = flash_nhd(), flash_nhd()
-    src = [full0, full0, full2]  # layer 1 (window) shares layer 0's tensor, as vLLM lays it out
-    groups = [0, 1, 0]
+    src = [full0, full2, full0]  # the window layer shares the first layer's tensor, as vLLM lays it out
+    groups = [0, 0, 1]
     saver = make_copy(backend, src, groups=groups)
     size = saver.chunk_bytes
     assert size == LAYERS * PER_CHUNK * HEADS * TOKENS * HEAD2 * 4
@@ -165,7 +166,7 @@ def test_a_hybrid_cache_round_trips_each_group_through_its_own_blocks(backend: s
         assert bytes(shm.span(c * size, size)) == expected
 
     dst0, dst2 = torch.zeros_like(full0), torch.zeros_like(full2)
-    dst = [dst0, dst0, dst2]
+    dst = [dst0, dst2, dst0]
     loader = make_copy(backend, dst, load_batch_bytes=2 * size, groups=groups)
     loader.begin_loads()
     # Chunk 0 is out of the window: the window group restores nothing from it.
@@ -178,7 +179,7 @@ def test_a_hybrid_cache_round_trips_each_group_through_its_own_blocks(backend: s
     for b in range(BLOCKS):
         if b in full:
             assert torch.equal(dst0[b], full0[full[b]]) and torch.equal(dst2[b], full2[full[b]]), b
-        elif b in window:  # layer 1's pages, in layer 0's tensor
+        elif b in window:  # the window layer's pages, in the first layer's tensor
             assert torch.equal(dst0[b], full0[window[b]]) and not dst2[b].any(), b
         else:
             assert not dst0[b].any() and not dst2[b].any(), b  # nothing else written

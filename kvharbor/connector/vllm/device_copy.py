@@ -133,8 +133,18 @@ class DeviceCopy:
         with self._h2d.on():
             self._h2d.wait(self._slot_free[slot_index])
             for at, count, offset in contiguous_runs([chunk.offset for chunk in staged], size):
-                source = mapping.tensor[offset : offset + count * size]
-                slot[at * size : (at + count) * size].copy_(source, non_blocking=True)
+                run = staged[at : at + count]
+                if all(part.targets for chunk in run for part in chunk.parts):
+                    source = mapping.tensor[offset : offset + count * size]
+                    slot[at * size : (at + count) * size].copy_(source, non_blocking=True)
+                    continue
+                # Some group restores nothing from some chunk (out of its window): its bytes stay.
+                for k, chunk in enumerate(run):
+                    for group, part in enumerate(chunk.parts):
+                        if part.targets:
+                            start, end = self.pages.group_bytes(group, self.blocks_per_chunk)
+                            source = mapping.tensor[offset + k * size + start : offset + k * size + end]
+                            slot[(at + k) * size + start : (at + k) * size + end].copy_(source, non_blocking=True)
             copied = self._h2d.record()
         layers, elems, shape = self.pages.layers, self.pages.page_elems, self.pages.page_shape
         with self._scatter.on():

@@ -3,7 +3,9 @@
 A stored chunk is, for each registered layer in registration order, the pages
 of the chunk's blocks in block order: ``[layer][block][page bytes]``, each layer's
 blocks those of its KV cache group (vLLM's hybrid allocator gives each group
-blocks of its own, and may back layers of different groups with one tensor). A page
+blocks of its own, and may back layers of different groups with one tensor).
+The layers of a group lie together, groups in vLLM's order (the worker registers
+them so), so a load that needs some groups of a chunk copies only their bytes. A page
 is opaque here (its inner layout is the attention backend's business and is
 part of the layout fingerprint); only the block dimension is interpreted.
 
@@ -98,8 +100,8 @@ class PageLayers:
         if len(layer_groups) != len(tensors) or min(layer_groups) < 0:
             raise ValueError(f"{len(layer_groups)} group indices for {len(tensors)} KV cache tensors")
         group_count = max(layer_groups) + 1
-        if set(layer_groups) != set(range(group_count)):
-            raise ValueError(f"KV cache groups {sorted(set(layer_groups))} leave one out")
+        if list(layer_groups) != sorted(layer_groups) or set(layer_groups) != set(range(group_count)):
+            raise ValueError(f"KV cache groups {layer_groups}: each group's layers together, groups 0 .. n in order")
         layers = tuple(view(t, num_blocks) for t in tensors)
         first = layers[0]
         page_shape, dtype = tuple(first.shape[1:]), first.dtype
@@ -122,3 +124,9 @@ class PageLayers:
     def chunk_bytes(self, blocks: int) -> int:
         """Bytes of a stored chunk of ``blocks`` blocks: every layer's pages."""
         return len(self.layers) * blocks * self.page_bytes
+
+    def group_bytes(self, group: int, blocks: int) -> tuple[int, int]:
+        """Where ``group``'s pages lie in a stored chunk of ``blocks`` blocks: (start, end) bytes."""
+        first = self.groups.index(group)
+        end = first + self.groups.count(group)
+        return first * blocks * self.page_bytes, end * blocks * self.page_bytes

@@ -152,8 +152,10 @@ class WorkerSide:
         """Set from `prepare_load` until the step's `load` takes it; engine thread only."""
 
     def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
-        tensors = list(kv_caches.values())
-        groups = self.layout.groups_of(list(kv_caches))
+        # Each group's layers together (`pages`): a load copies only the groups it restores.
+        group_of = dict(zip(kv_caches, self.layout.groups_of(list(kv_caches)), strict=True))
+        names = sorted(kv_caches, key=group_of.__getitem__)
+        tensors, groups = [kv_caches[name] for name in names], [group_of[name] for name in names]
         engine, per_chunk = self.config.engine, self.layout.blocks_per_chunk
         device = tensors[0].device
         on_gpu = device.type == "cuda"
@@ -172,7 +174,7 @@ class WorkerSide:
         )  # fmt: skip
         self._timer = StepTimer(device)
         self._path = DataPath(
-            copy, list(kv_caches), self._load_link, self._save_link, self.rank, self.fingerprint, self._count,
+            copy, names, self._load_link, self._save_link, self.rank, self.fingerprint, self._count,
             engine, register=cuda_host_register if on_gpu else None,
         )  # fmt: skip
         # Connect now: an embedded gateway starts here, not in the first request's path.
