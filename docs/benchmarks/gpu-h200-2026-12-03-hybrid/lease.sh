@@ -7,16 +7,9 @@ set -uo pipefail
 step=$1
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1
 export PYTHONPATH=$HOME/kvh:$HOME/site
-mkdir -p $HOME/w
-wheel=$HOME/w/vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl
 case $step in
-p0|p1|p2|p3|p4)
-  cp .whl/vllm.part0${step#p} $HOME/w/ && ls $HOME/w ;;
-p5)
-  cp .whl/vllm.part05 $HOME/w/ && cat $HOME/w/vllm.part0? > $wheel && rm -f $HOME/w/vllm.part0? || exit 1
-  echo "$(cat .whl/vllm.sha256)  $wheel" | sha256sum -c || exit 1
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $HOME/site $wheel || exit 1
-  echo "vllm installed" ;;
+p0|p1|p2|p3|p4|p5)  # vLLM's parts and its install: the same steps as the last lease's.
+  exec bash "$(dirname "$0")/../gpu-h200-2026-12-02-early-load/lease.sh" "$step" ;;
 go)
   { date -u; nvidia-smi; uname -a; nproc; free -g; df -h /dev/shm /tmp; } > $OUT/machine.txt 2>&1
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $HOME/site .whl/deps/*.whl || exit 1
