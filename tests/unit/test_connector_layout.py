@@ -83,8 +83,9 @@ def test_a_chunk_size_that_was_set_is_kept_or_refused() -> None:
     assert build_layout(*engine(**copy.deepcopy(blocks_of)), config).chunk_size == 1024
 
 
-def test_a_cache_it_cannot_exchange_is_refused_by_name() -> None:
-    vllm_config, kv_cache_config = engine(**{"scheduler_config.watermark": 0.5})
+def test_a_cache_it_cannot_exchange_is_refused_by_name_before_any_other_advice() -> None:
+    # No admission reserve either: a watermark to set would not let this model start.
+    vllm_config, kv_cache_config = engine(**{"scheduler_config.watermark": 0.0})
     mamba = MambaSpec(block_size=128, shapes=((4, 64),), dtypes=(torch.float32,))
     kv_cache_config.kv_cache_groups.append(KVCacheGroupSpec(["model.layers.4.mixer"], mamba))
     with pytest.raises(ConnectorRefusal) as refusal:
@@ -92,6 +93,7 @@ def test_a_cache_it_cannot_exchange_is_refused_by_name() -> None:
     message = str(refusal.value)
     assert "1 of 2 cache group(s)" in message
     assert "MambaSpec (layer model.layers.4.mixer)" in message
+    assert "watermark" not in message
 
 
 def window_engine(window: int, **changes: Any) -> tuple[Any, Any]:
@@ -178,14 +180,6 @@ def test_only_window_groups_restore_from_the_largest_window() -> None:
     kv_cache_config.kv_cache_groups.append(KVCacheGroupSpec(["model.layers.4.self_attn.attn"], spec))
     layout = build_layout(vllm_config, kv_cache_config, load_config(environ={}))
     assert layout.window_tokens == 1024 and layout.chunk_size == 256
-
-
-def test_a_hybrid_model_without_reserve_is_refused_with_the_watermark_to_use() -> None:
-    vllm_config, kv_cache_config = engine(**{"scheduler_config.watermark": 0.0})
-    mamba = MambaSpec(block_size=128, shapes=((4, 64),), dtypes=(torch.float32,))
-    kv_cache_config.kv_cache_groups.append(KVCacheGroupSpec(["model.layers.4.mixer"], mamba))
-    with pytest.raises(ConnectorRefusal, match=r"--watermark=0\.02"):
-        build_layout(vllm_config, kv_cache_config, load_config(environ={}))
 
 
 @pytest.mark.parametrize(

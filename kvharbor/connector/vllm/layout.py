@@ -89,11 +89,8 @@ _EXCHANGEABLE = {"FullAttentionSpec", SLIDING_WINDOW}
 def check_groups(
     groups: Sequence[CacheGroup], vllm_config: Any, num_gpu_blocks: int, chunk_size: int, block_size: int
 ) -> None:
-    """Refuse, naming the cache, when a group cannot be exchanged safely."""
-    mamba = [g for g in groups if "Mamba" in g.kind]
-    if mamba:
-        watermark = float(getattr(vllm_config.scheduler_config, "watermark", 0.0) or 0.0)
-        check_mamba_reserve(len(mamba), watermark, num_gpu_blocks)
+    """Refuse, naming the cache, when a group cannot be exchanged safely. A cache the
+    connector cannot exchange is named first: no other advice would let it start."""
     foreign = [g for g in groups if g.kind not in _EXCHANGEABLE]
     if foreign:
         first: dict[str, CacheGroup] = {}
@@ -105,6 +102,10 @@ def check_groups(
             f"can reach; first of each kind: {names}. kvharbor exchanges full-attention and sliding-window caches only "
             "(tell us the model and this line)"
         )
+    mamba = [g for g in groups if "Mamba" in g.kind]
+    if mamba:
+        watermark = float(getattr(vllm_config.scheduler_config, "watermark", 0.0) or 0.0)
+        check_mamba_reserve(len(mamba), watermark, num_gpu_blocks)
     pp_size = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
     if len(groups) > 1 and pp_size > 1:
         raise ConnectorRefusal(
