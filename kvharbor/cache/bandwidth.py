@@ -23,6 +23,16 @@ token worse once it has been seen, and a fast one is always used:
   runs 32,768 tokens at ~27k tokens/s but 130,000 at ~12.6k), while the
   FLOP rate of one engine stays nearly constant (6.6e14 vs 6.3e14 FLOP/s there).
 
+A prefix found only on a tier outside RAM (files, after a reboot) is read back
+into RAM before it is promised (`kvharbor.connector.verifier`), and the request
+waits for that too; so its load time adds
+
+    read-back time = bytes to read back / measured read-back bandwidth
+
+learned the same way from the read-backs the scheduler's verifier timed. Without
+it a disk slower than recomputing would be read from on every restart: the load
+itself, from RAM, is fast.
+
 Until a rate has been measured the answer is "load" (nothing says otherwise),
 and the worker stops a load part-way when the bandwidth it sees says the rest
 would be slower than recomputing it (`keep_loading`). No engine imports here:
@@ -32,7 +42,8 @@ A planner that recomputes learns nothing more about loads: one slow stretch (a
 disk busy with another job's writes) would otherwise keep every later prefix
 recomputed for the engine's life, however fast its tiers became. So when a load
 rate no sample has refreshed for ``resample_s`` says recompute, one stored prefix
-is loaded anyway, and its sample replaces the stale ones (at a bounded cost: the
+is loaded anyway (read back first where it must be), and its samples replace the
+stale ones (at a bounded cost: the
 worker cuts that load short if the rest arrives slower than it recomputes); the
 other requests keep to the old rate meanwhile. A load that finds the rate still
 saying recompute doubles the wait for the next, up to ``resample_max_s``, so that
@@ -46,7 +57,7 @@ import itertools
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 LOAD_LATENCY_S = 0.002
 """Fixed cost of a restore (gateway round trips, first copy) added to bytes / bandwidth."""
@@ -151,6 +162,8 @@ class Decision:
     recompute_s: float | None
     remeasure: bool = False
     """Loaded although the stale rate said recompute: to measure the load rate again."""
+    reads_back: bool = False
+    """``load_s`` includes reading chunks back from a tier outside RAM."""
 
     @property
     def reason(self) -> str:
@@ -159,7 +172,10 @@ class Decision:
         if self.load_s is None or self.recompute_s is None:
             return "no measured rate yet: load"
         verb = "load" if self.load else "recompute"
-        return f"{verb}: load {self.load_s * 1000:.0f} ms vs recompute {self.recompute_s * 1000:.0f} ms"
+        load = f"load {self.load_s * 1000:.0f} ms" + (
+            " (its read-back from a tier outside RAM included)" if self.reads_back else ""
+        )
+        return f"{verb}: {load} vs recompute {self.recompute_s * 1000:.0f} ms"
 
 
 def choose(load_s: float | None, recompute_s: float | None, margin: float | None = None) -> Decision:
@@ -214,6 +230,10 @@ class LoadPlanner:
         """Bytes one rank restores per chunk (ranks load in parallel)."""
         self.chunk_tokens = chunk_tokens
         self.load_rate = RateEstimate(prior=load_prior_bytes_per_s)
+        self.read_back_rate = RateEstimate()
+        """Bytes per second of read-backs from tiers outside RAM (every rank's values)."""
+        self._read_back_stale = False
+        """A re-measurement began: the next read-back sample replaces the rate."""
         self.prefill_rate = RateEstimate(prior=prefill_prior_flops_per_s)
         self.chose_recompute = 0
         self.chose_load = 0
@@ -228,15 +248,28 @@ class LoadPlanner:
             self.load_rate.add(nbytes, seconds)
             self._load_measured_at = self._clock()
 
+    def observe_read_back(self, nbytes: float, seconds: float) -> None:
+        """A read-back of ``nbytes`` (every rank's values of its chunks) took ``seconds``."""
+        if nbytes >= LOAD_SAMPLE_BYTES_MIN and seconds > 0:
+            if self._read_back_stale:
+                self._read_back_stale = False
+                self.read_back_rate.forget()
+            self.read_back_rate.add(nbytes, seconds)
+
     def observe_prefill(self, flops: float, seconds: float) -> None:
         if flops >= PREFILL_SAMPLE_FLOPS_MIN:
             self.prefill_rate.add(flops, seconds)
 
     # -- predicting ----------------------------------------------------------
 
-    def load_s(self, nbytes: int) -> float | None:
+    def load_s(self, nbytes: int, read_back_bytes: int = 0) -> float | None:
+        """Restoring ``nbytes`` per rank, ``read_back_bytes`` of them first read back into RAM
+        (0 s for those while no read-back has been timed); None while no load has been."""
         rate = self.load_rate.rate
-        return None if not rate else LOAD_LATENCY_S + nbytes / rate
+        if not rate:
+            return None
+        read_back = self.read_back_rate.rate
+        return LOAD_LATENCY_S + nbytes / rate + (read_back_bytes / read_back if read_back else 0.0)
 
     def recompute_s(self, start: int, end: int) -> float | None:
         rate = self.prefill_rate.rate
@@ -252,11 +285,14 @@ class LoadPlanner:
         bounds = [start, *range((start // size + 1) * size, end, size), end]
         return tuple(self.cost.flops(a, b) / rate for a, b in itertools.pairwise(bounds))
 
-    def choose(self, start: int, end: int, chunks: int) -> Decision:
-        """Load tokens ``start .. end`` (``chunks`` stored chunks, whole) or recompute them?
-        A recompute that rests on a load rate unmeasured for ``resample_s`` is a load
-        instead, one per period (the module's docstring says why)."""
-        decision = choose(self.load_s(chunks * self.chunk_bytes), self.recompute_s(start, end))
+    def choose(self, start: int, end: int, chunks: int, read_back_bytes: int = 0) -> Decision:
+        """Load tokens ``start .. end`` (``chunks`` stored chunks, whole, ``read_back_bytes``
+        of them to be read back first) or recompute them? A recompute that rests on a load
+        rate unmeasured for ``resample_s`` is a load instead, one per period (the module's
+        docstring says why)."""
+        decision = choose(self.load_s(chunks * self.chunk_bytes, read_back_bytes), self.recompute_s(start, end))
+        if read_back_bytes and self.read_back_rate.rate:
+            decision = replace(decision, reads_back=True)
         if self._resample_bounds_s is None:
             return decision
         least_s, most_s = self._resample_bounds_s
@@ -270,6 +306,7 @@ class LoadPlanner:
             return decision
         self._load_measured_at = now  # The next one a period on, should this load never report.
         self._remeasure = _Remeasure.AWAITING_SAMPLE
+        self._read_back_stale = read_back_bytes > 0
         self.remeasured += 1
         return Decision(True, decision.load_s, decision.recompute_s, remeasure=True)
 
@@ -277,6 +314,8 @@ class LoadPlanner:
         return {
             "load_bytes_per_s": self.load_rate.rate or 0.0,
             "load_samples": self.load_rate.samples,
+            "read_back_bytes_per_s": self.read_back_rate.rate or 0.0,
+            "read_back_samples": self.read_back_rate.samples,
             "prefill_flops_per_s": self.prefill_rate.rate or 0.0,
             "prefill_samples": self.prefill_rate.samples,
             "chose_load": self.chose_load,

@@ -12,7 +12,9 @@ them), and only the intact leading ones are promised.
 The read-back runs on its own thread and gateway connection: the scheduler
 keeps scheduling other requests meanwhile and asks again each step
 (`Verification.settle`). It is bounded: past its deadline, what is verified by
-then is promised and the rest is recomputed.
+then is promised and the rest is recomputed. Each read-back's bytes and seconds go to
+its submitter (the load planner learns the read-back rate from them: a tier slower than
+recomputing is then not read from).
 
 A chunk that fails ends the verified prefix, and the chunks behind it are
 dropped as well: keys are prefix-chained, so nothing reaches them until that
@@ -25,7 +27,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvharbor.connector.link import CacheLink
@@ -60,6 +62,8 @@ class Verification:
     failed: bool = False
     """A chunk failed: it and every stored chunk behind it were dropped."""
     settled: bool = False
+    timed: Callable[[int, float], None] | None = None
+    """Told the read-back's bytes and seconds when it ends (`Verifier.submit`)."""
     done: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -92,13 +96,23 @@ class Verifier:
         self._thread = threading.Thread(target=self._run, name="kvharbor-verifier", daemon=True)
         self._thread.start()
 
-    def submit(self, keys: Sequence[Sequence[bytes]], first: int, end: int, stored: int, wait_s: float) -> Verification:
+    def submit(
+        self,
+        keys: Sequence[Sequence[bytes]],
+        first: int,
+        end: int,
+        stored: int,
+        wait_s: float,
+        timed: Callable[[int, float], None] | None = None,
+    ) -> Verification:
         """Read back chunks ``first .. end`` of ``keys`` (one list per rank); when one fails,
-        it and every chunk behind it up to ``stored`` are dropped. Returns at once."""
+        it and every chunk behind it up to ``stored`` are dropped. Returns at once. ``timed``
+        is told, from the verifier's thread, the bytes read back intact (every rank's values)
+        and the seconds that took, when the read-back ends (not where ``value_bytes`` is 0)."""
         assert 0 <= first < end <= stored <= len(keys[0]), (first, end, stored, len(keys[0]))
         items = [[(f, bytes(k[chunk])) for f, k in zip(self.fingerprints, keys, strict=True)]
                  for chunk in range(first, stored)]  # fmt: skip
-        job = Verification(items, first, end, time.monotonic() + wait_s)
+        job = Verification(items, first, end, time.monotonic() + wait_s, timed=timed)
         self._jobs.put(job)
         return job
 
@@ -118,20 +132,33 @@ class Verifier:
                 job.done.set()
 
     def _verify(self, job: Verification) -> None:
+        started, read = time.perf_counter(), 0
+        try:
+            read = self._read_back(job)
+        finally:
+            if job.timed is not None and read and self.value_bytes:
+                job.timed(read * self.value_bytes, time.perf_counter() - started)
+
+    def _read_back(self, job: Verification) -> int:
+        """Read ``job``'s chunks back, request by request; the values read back intact (of
+        every rank: a failed one ends the read-back, and weighs little in the rate)."""
         ranks = len(self.fingerprints)
         wanted = job.end - job.first
+        read = 0
         for start in range(0, wanted, CHUNKS_PER_VERIFY):
             if job.settled or self._closing:
-                return  # Past its deadline, or shutting down: nobody waits for the rest.
+                break  # Past its deadline, or shutting down: nobody waits for the rest.
             part = job.items[start : min(start + CHUNKS_PER_VERIFY, wanted)]
             answer = self.link.verify([item for chunk in part for item in chunk], self.value_bytes)
             if answer is None:
-                return  # No answer (the link said why): what is verified so far is all there is.
+                break  # No answer (the link said why): what is verified so far is all there is.
             intact = answer // ranks
+            read += answer
             job.verified = start + intact
             if intact < len(part):
                 self._drop_behind(job)
-                return
+                break
+        return read
 
     def _drop_behind(self, job: Verification) -> None:
         """Drop every stored chunk from the one that failed (the gateway has dropped that

@@ -74,6 +74,10 @@ ENGINE_STATS: tuple[EngineStat, ...] = (
         "Stored chunks not promised (damaged, of the wrong size, or not read back within engine.verify_wait_ms); "
         "recomputed",
     ),
+    EngineStat(
+        "read_back_skipped_chunks",
+        "Stored chunks outside RAM not read back: reading them was predicted slower than recomputing them; recomputed",
+    ),
     EngineStat("loaded_chunks", "Chunks restored from kvharbor into the KV cache"),
     EngineStat("loaded_bytes", "Bytes restored from kvharbor into the KV cache", shown=Shown.MIB),
     EngineStat(

@@ -103,6 +103,45 @@ def test_planner_prefers_a_fast_tier_and_avoids_a_slow_one() -> None:
     assert mid.choose(start, end, chunks_130k).load
 
 
+def test_a_read_back_from_a_slow_disk_counts_in_the_load_time() -> None:
+    """After a reboot the prefix is on files only: it is read back into RAM (at the disk's
+    speed) before the load from RAM (at PCIe speed); the choice weighs both."""
+    p = planner()
+    p.observe_prefill(LLAMA_8B.flops(0, 32768), 1.22)
+    p.observe_load(16 << 30, 16 * 2**30 / 40e9)  # From RAM: 40 GB/s.
+    read_back = 128 * CHUNK_BYTES  # 32k tokens' 4 GiB, on files.
+    unknown = p.choose(0, 32768, 128, read_back)
+    assert unknown.load and not unknown.reads_back, "no read-back timed yet: nothing says it is slow"
+    assert unknown.load_s == pytest.approx(LOAD_LATENCY_S + read_back / 40e9)
+    p.observe_read_back(1 << 20, 1.0)  # Too small to be a sample: latency, mostly.
+    assert p.read_back_rate.rate is None
+    p.observe_read_back(1 << 30, 2**30 / 1.5e9)  # The disk: 1.5 GB/s.
+    slow = p.choose(0, 32768, 128, read_back)
+    assert not slow.load and slow.reads_back and "read-back" in slow.reason
+    assert slow.load_s == pytest.approx(LOAD_LATENCY_S + read_back / 40e9 + read_back / 1.5e9)
+    assert p.choose(0, 32768, 128).load, "the same prefix in RAM is still loaded"
+    # 130k tokens: 16 GiB read back in 11.5 s against 10.3 s of recompute: recompute.
+    chunks = 130_000 // CHUNK_TOKENS
+    assert not p.choose(0, chunks * CHUNK_TOKENS, chunks, chunks * CHUNK_BYTES).load
+
+
+def test_a_re_measurement_replaces_a_stale_read_back_rate() -> None:
+    clock = Clock()
+    p = LoadPlanner(LLAMA_8B, CHUNK_BYTES, CHUNK_TOKENS, resample_s=60.0, clock=clock)
+    p.observe_prefill(LLAMA_8B.flops(0, 32768), 1.22)
+    p.observe_load(16 << 30, 16 * 2**30 / 40e9)
+    for _ in range(20):
+        p.observe_read_back(1 << 30, 2**30 / 0.5e9)  # A disk busy with another job.
+    read_back = 128 * CHUNK_BYTES
+    assert not p.choose(0, 32768, 128, read_back).load
+    clock.now_s += 61.0
+    again = p.choose(0, 32768, 128, read_back)
+    assert again.load and again.remeasure
+    p.observe_read_back(4 << 30, 4 * 2**30 / 20e9)  # That read-back found the disk fast again.
+    assert p.read_back_rate.rate == pytest.approx(20e9)
+    assert p.choose(0, 32768, 128, read_back).load
+
+
 def test_a_stale_slow_rate_is_measured_again_and_a_fast_tier_is_used_again() -> None:
     clock = Clock()
     p = LoadPlanner(LLAMA_8B, CHUNK_BYTES, CHUNK_TOKENS, resample_s=60.0, clock=clock)

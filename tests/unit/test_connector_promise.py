@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from kvharbor.cache.bandwidth import LoadPlanner
+from kvharbor.connector.vllm.costs import chunk_bytes_per_rank, prefill_cost
 from tests.support.damage import damage_file_objects
 from tests.support.real_gateway import RealGateway
 from tests.support.vllm_rig import BLOCK, SchedulerRig, Step
@@ -225,3 +227,64 @@ def test_a_sliding_window_read_back_that_fails_promises_only_what_needed_none(
     counters = rig.side.counters
     assert (counters.hit_chunks, counters.verified_chunks, counters.unverified_chunks) == (0, 1, 5)
     assert saved_keys(steps) == keys[4:]  # The damaged chunk was dropped and is stored again.
+
+
+def planner_for(rig: SchedulerRig, recompute_s: float, tokens: int) -> LoadPlanner:
+    """The connector's planner for the rig's model, its rates as if measured: loads from RAM
+    at 50 GB/s, ``tokens`` recomputed in ``recompute_s``."""
+    cost = prefill_cost(rig.vllm_config)
+    assert cost is not None
+    return LoadPlanner(
+        cost,
+        chunk_bytes_per_rank(rig.layout),
+        CHUNK,
+        load_prior_bytes_per_s=50e9,
+        prefill_prior_flops_per_s=cost.flops(0, tokens) / recompute_s,
+    )
+
+
+@pytest.mark.parametrize(("read_back_s", "restored"), [(10.0, 0), (0.01, bound(2400))])
+def test_chunks_on_files_are_read_back_only_when_that_is_faster_than_recomputing_them(
+    tiny_model: Path, files_gateway: RealGateway, read_back_s: float, restored: int
+) -> None:
+    rig = SchedulerRig(tiny_model, gateway=files_gateway)
+    tokens = prompt(2400)
+    rig.hold(rig.keys(tokens))
+    rig.side.planner = planner = planner_for(rig, recompute_s=1.0, tokens=bound(2400))
+    # Read-backs measured before: 64 MiB in ``read_back_s``; this prompt's 9 MiB then take
+    # 1.4 s (slower than its 1 s recompute: not read back) or 1.4 ms.
+    planner.observe_read_back(64 << 20, read_back_s)
+
+    if restored:
+        steps = admit_after_read_back(rig, "r", tokens)
+    else:
+        rig.add("r", tokens)
+        steps = rig.run()
+
+    assert steps[0].new_request("r").num_computed_tokens == restored
+    counters = rig.side.counters
+    if restored:
+        assert (counters.verified_chunks, counters.read_back_skipped_chunks) == (9, 0)
+        assert planner.read_back_rate.samples == 2  # This read-back was timed too.
+    else:
+        assert rig.side._requests.get("r") is None or rig.side._requests["r"].verification is None
+        assert (counters.verified_chunks, counters.read_back_skipped_chunks) == (0, 9)
+        assert counters.chose_recompute == 1
+        assert saved_keys(steps) == []  # Still stored: nothing to store again.
+
+
+def test_a_read_back_teaches_the_planner_its_rate(tiny_model: Path, files_gateway: RealGateway) -> None:
+    rig = SchedulerRig(tiny_model, gateway=files_gateway)
+    tokens = prompt(2400)
+    rig.hold(rig.keys(tokens))
+    rig.side.planner = planner = planner_for(rig, recompute_s=100.0, tokens=bound(2400))
+    assert planner.read_back_rate.rate is None
+
+    steps = admit_after_read_back(rig, "r", tokens)
+
+    assert steps[0].new_request("r").num_computed_tokens == bound(2400) == 9 * CHUNK
+    assert planner.read_back_rate.samples == 1
+    rate = planner.read_back_rate.rate
+    assert rate is not None and rate > 0
+    # What the planner predicts for these 9 chunks is what the read-back took, at most.
+    assert 9 * rig.layout.chunk_bytes / rate < 100.0

@@ -72,6 +72,9 @@ class SchedulerCounters:
     unverified_chunks: int = 0
     """Stored chunks not promised: damaged, of the wrong size, or not read back within
     engine.verify_wait_ms; recomputed."""
+    read_back_skipped_chunks: int = 0
+    """Stored chunks outside RAM not read back: reading them was predicted slower than
+    recomputing them; recomputed."""
     unsalted_skipped: int = 0
     """Requests neither looked up nor stored because require_cache_salt is on and they had no salt."""
     bad_salt_skipped: int = 0
@@ -173,10 +176,19 @@ class SchedulerSide:
             self.counters.hit_chunks += first
             self.counters.unverified_chunks += end - first
             return first
-        state.verify_floor = first
         # Chunks wholly before a sliding window at the hit's end are never read: nor read back.
         read_from = min(max(first, self._out_of_window(hits, num_tokens)), end - 1)
-        state.verification = self.verifier.submit(state.keys, read_from, end, hits, wait_s)
+        read_back_bytes = (end - read_from) * ranks * self.layout.chunk_bytes
+        if not self._worth_loading(req_id, num_computed_tokens, hit_end, read_back_bytes):
+            # Reading them back would take longer than recomputing them: only the chunks
+            # that need no read-back are offered (loaded if that is still worth it). The rest
+            # stay stored, unread: recomputed, not stored again.
+            state.saved_chunks = max(state.saved_chunks, hits)
+            self.counters.hit_chunks += first
+            self.counters.read_back_skipped_chunks += end - first
+            return first
+        state.verify_floor = first
+        state.verification = self.verifier.submit(state.keys, read_from, end, hits, wait_s, self._read_back_timed)
         return None
 
     def _out_of_window(self, hit_chunks: int, num_tokens: int) -> int:
@@ -327,6 +339,12 @@ class SchedulerSide:
             self.planner.observe_load(data.get("loaded_bytes", 0), data.get("load_seconds", 0))
             self.planner.observe_prefill(data.get("prefill_flops", 0), data.get("prefill_seconds", 0))
 
+    def _read_back_timed(self, nbytes: int, seconds: float) -> None:
+        """A read-back's bytes and seconds (the verifier's thread): the planner's read-back rate."""
+        planner = self.planner
+        if planner is not None:
+            planner.observe_read_back(nbytes, seconds)
+
     def observe_load_errors(self, block_ids: set[int]) -> None:
         """Blocks whose load failed after all (a chunk damaged or evicted since its promise):
         vLLM recomputes from the first of them, and their chunks are saved again then."""
@@ -372,17 +390,18 @@ class SchedulerSide:
 
     # -- internals ---------------------------------------------------------------
 
-    def _worth_loading(self, req_id: str, start: int, end: int) -> bool:
-        """Load tokens ``start .. end`` rather than recompute them? vLLM may ask again for a
-        request it could not schedule: a request counts once, and one chosen to re-measure
-        the load rate keeps that answer (the planner starts one re-measurement a period)."""
+    def _worth_loading(self, req_id: str, start: int, end: int, read_back_bytes: int = 0) -> bool:
+        """Load tokens ``start .. end`` (``read_back_bytes`` of every rank's values read back
+        into RAM first) rather than recompute them? vLLM may ask again for a request it could
+        not schedule: a request counts once, and one chosen to re-measure the load rate keeps
+        that answer (the planner starts one re-measurement a period)."""
         if self._off_reason:
             return False
         planner = self.planner
         if planner is None or req_id in self._remeasuring:
             return True
         size = self.layout.chunk_size
-        decision = planner.choose(start, end, -(-end // size) - start // size)
+        decision = planner.choose(start, end, -(-end // size) - start // size, read_back_bytes)
         if decision.remeasure:
             self._remeasuring.add(req_id)
             self._once.say("remeasure", f"a stored prefix is restored: {decision.reason} (said once)", logging.INFO)
