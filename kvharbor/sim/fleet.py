@@ -18,10 +18,11 @@ The load-or-recompute choice is the connector's: each engine has its own
 `kvharbor.cache.bandwidth.LoadPlanner`, which answers "load" until it has seen a
 load, then compares the load time at the bandwidth it learned from the loads it
 made with the recompute time of the same tokens (`PrefillCost` FLOPs at the
-engine's rate). A load's actual time is the fixed latency, RAM bytes at the
-restore bandwidth, and the card part, timed by the simulated card's channel
-model (`kvharbor.hal.sim.channels`) so that concurrent loads and stores queue on
-its channels, pipelined with the copy into the GPU.
+engine's rate). As in the connector, the card's part of a hit is first read back
+into RAM, timed by the simulated card's channel model (`kvharbor.hal.sim.channels`)
+so that concurrent loads and stores queue on its channels; then the whole hit is
+copied into the GPU at the restore bandwidth, after the fixed latency. The planner
+learns both rates (read-back and load) from what it sees.
 """
 
 from __future__ import annotations
@@ -215,22 +216,28 @@ class _Fleet:
             engine.pending_s -= predicted_s
 
     def serve(self, request: Request, engine: _Engine) -> Generator[simpy.Event, None, None]:
-        env, cost, config = self.env, self.config.engine, self.config
+        env, cost = self.env, self.config.engine
         n = request.input_tokens
         gpu_end, ram_end, card_end = self._hit_ends(request, engine)
         computed_from = gpu_end
-        if card_end > gpu_end:
-            chunks = -(-card_end // config.block_tokens) - gpu_end // config.block_tokens
-            if engine.planner.choose(gpu_end, card_end, chunks).load:
-                self.chose_load += 1
-                computed_from = card_end
-                self.hits[Tier.RAM] += ram_end - gpu_end
-                self.hits[Tier.CARD] += card_end - ram_end
-                load_s = self._load_s(ram_end - gpu_end, card_end - ram_end)
-                engine.planner.observe_load(chunks * engine.planner.chunk_bytes, load_s)
-                yield env.timeout(load_s)
-            else:
-                self.chose_recompute += 1
+        end = card_end
+        if end > ram_end and not self._worth_loading(engine, gpu_end, end, ram_end):
+            end = ram_end  # As the connector: the card's part is not read back, RAM's is offered.
+        if end > gpu_end and end == ram_end and not self._worth_loading(engine, gpu_end, end, end):
+            end = gpu_end
+        if end < card_end:
+            self.chose_recompute += 1
+        if end > gpu_end:
+            self.chose_load += 1
+            computed_from = end
+            self.hits[Tier.RAM] += ram_end - gpu_end
+            self.hits[Tier.CARD] += end - ram_end
+            read_back_bytes = (end - ram_end) * cost.kv_bytes_per_token
+            read_back_s = self._read_back_s(read_back_bytes)
+            load_s = LOAD_LATENCY_S + (end - gpu_end) * cost.kv_bytes_per_token / cost.restore_bytes_per_s
+            engine.planner.observe_read_back(read_back_bytes, read_back_s)
+            engine.planner.observe_load(self._chunks(gpu_end, end) * engine.planner.chunk_bytes, load_s)
+            yield env.timeout(read_back_s + load_s)
         self.hits[Tier.GPU] += gpu_end
         prefill_s = cost.prefill_s(computed_from, n)
         yield env.timeout(prefill_s)
@@ -287,19 +294,23 @@ class _Fleet:
                 break
         return hit_tokens(n, g, bt), hit_tokens(n, r, bt), hit_tokens(n, c, bt)
 
-    def _load_s(self, ram_tokens: int, card_tokens: int) -> float:
-        """A load's time: the card part queues on the card's channels, pipelined with the
-        copy into the GPU (the slower of the two)."""
-        kv, params = self.config.engine.kv_bytes_per_token, self.config.card
-        restore = self.config.engine.restore_bytes_per_s
-        seconds = LOAD_LATENCY_S + ram_tokens * kv / restore
-        if card_tokens:
-            nbytes, now = card_tokens * kv, self.env.now
-            card_s = (
-                self.channels.complete_at(now, nbytes, params.channel_read_bytes_per_s, params.read_latency_s) - now
-            )
-            seconds += max(card_s, nbytes / restore)
-        return seconds
+    def _chunks(self, start: int, end: int) -> int:
+        """The stored blocks a load of tokens ``start .. end`` touches."""
+        bt = self.config.block_tokens
+        return -(-end // bt) - start // bt
+
+    def _worth_loading(self, engine: _Engine, start: int, end: int, ram_end: int) -> bool:
+        """The connector's choice for tokens ``start .. end``, those past ``ram_end`` read
+        back from the card first."""
+        read_back_bytes = max(0, end - ram_end) * self.config.engine.kv_bytes_per_token
+        return engine.planner.choose(start, end, self._chunks(start, end), read_back_bytes).load
+
+    def _read_back_s(self, nbytes: int) -> float:
+        """Reading ``nbytes`` of the card back into RAM, queued on the card's channels."""
+        if not nbytes:
+            return 0.0
+        params, now = self.config.card, self.env.now
+        return self.channels.complete_at(now, nbytes, params.channel_read_bytes_per_s, params.read_latency_s) - now
 
     def _store(self, request: Request, engine: _Engine) -> None:
         whole = stored_blocks(request.input_tokens, request.blocks, self.config.block_tokens)

@@ -43,11 +43,23 @@ def test_a_card_slower_than_recomputing_is_not_loaded_from() -> None:
     engine = dataclasses.replace(ENGINE, gpu=small_gpu)
     slow = CardParams(read_bandwidth_bytes_per_s=1e8, write_bandwidth_bytes_per_s=1e8)
     result = run(engine=engine, card_tokens=10_000_000, card=slow)
-    # Each engine's first load teaches its planner the card's bandwidth; it recomputes from
-    # then on, but for a load that measures it again 1, 3 and 7 minutes in (the waits double
-    # from engine.load_resample_s, 60 s, as each finds it slow): 4 engines x 4 in these ~10
-    # minutes of arrivals.
+    # Each engine's first load teaches its planner the card's read-back rate; it recomputes
+    # from then on, but for a load that measures it again 1, 3 and 7 minutes in (the waits
+    # double from engine.load_resample_s, 60 s, as each finds it slow): 4 engines x 4 in
+    # these ~10 minutes of arrivals.
     assert result.chose_load <= 4 * 4 and result.chose_recompute > 100
+
+
+def test_behind_a_slow_card_the_ram_tier_is_still_loaded_from() -> None:
+    """The card's part of a hit is read back first, and the planner learns that rate apart
+    from the load's: a slow card is not read from, while a prefix in RAM is still loaded."""
+    small_gpu = dataclasses.replace(ENGINE.gpu, memory_bytes=ENGINE.model.weight_bytes / 0.9 + 20_000 * 131072)
+    engine = dataclasses.replace(ENGINE, gpu=small_gpu)
+    slow = CardParams(read_bandwidth_bytes_per_s=1e8, write_bandwidth_bytes_per_s=1e8)
+    result = run(engine=engine, card_tokens=10_000_000, card=slow, ram_tokens=50_000)
+    assert result.token_hit_rate(Tier.RAM) > 0.1  # Before, one blended rate: 0.8 %, TTFT p50 142 s.
+    assert result.token_hit_rate(Tier.CARD) < 0.05
+    assert result.chose_load > 100 and result.chose_recompute > 100
 
 
 def test_prefix_aware_routing_hits_more_on_the_gpus_than_round_robin() -> None:
