@@ -56,6 +56,8 @@ class _Request:
     """The read-back of its stored chunks outside RAM, once one was needed."""
     verify_floor: int = 0
     """The leading chunks promised without a read-back (resident, or vLLM's own) when it began."""
+    read_back_skipped: bool = False
+    """Its chunks outside RAM were not read back: that was predicted slower than recomputing."""
 
 
 @dataclass(slots=True)
@@ -184,8 +186,10 @@ class SchedulerSide:
             # that need no read-back are offered (loaded if that is still worth it). The rest
             # stay stored, unread: recomputed, not stored again.
             state.saved_chunks = max(state.saved_chunks, hits)
-            self.counters.hit_chunks += first
-            self.counters.read_back_skipped_chunks += end - first
+            if not state.read_back_skipped:  # vLLM may ask again: counted once.
+                state.read_back_skipped = True
+                self.counters.hit_chunks += first
+                self.counters.read_back_skipped_chunks += end - first
             return first
         state.verify_floor = first
         state.verification = self.verifier.submit(state.keys, read_from, end, hits, wait_s, self._read_back_timed)
