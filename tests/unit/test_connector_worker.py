@@ -6,11 +6,13 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from kvharbor.cache.purge import PurgeFilter
 from kvharbor.config import Config
 from kvharbor.connector.link import CacheLink, RankSwitch
+from kvharbor.connector.vllm.layout import ConnectorRefusal
 from kvharbor.connector.vllm.metadata import ChunkTransfer, KVHarborMetadata
 from kvharbor.connector.vllm.worker import WorkerSide
 from tests.support.real_gateway import RealGateway
@@ -247,3 +249,30 @@ def test_a_restore_prepared_for_a_step_that_never_ran_is_not_taken_for_the_next(
         assert side._loading is None
     finally:
         side.close()
+
+
+def test_a_worker_that_stays_off_restores_nothing_and_stores_nothing(real_gateway: RealGateway) -> None:
+    """What only the registered tensors show (here: layers of two dtypes) refuses this rank's
+    cache; under KVHARBOR=1 alone the engine runs on: restores planned before the scheduler
+    learns it are reported for recompute, saves store nothing, the stats say the cache is off."""
+    kv = caches(seed=1)
+    kv[LAYERS[-1]] = kv[LAYERS[-1]].to(torch.float16)
+    config = real_gateway.config
+    switch = RankSwitch()
+    side = WorkerSide(
+        layout(), config, CacheLink(config, "load", switch=switch), CacheLink(config, "save", switch=switch), 0
+    )
+    with pytest.raises(ConnectorRefusal, match="differ in page shape or dtype"):
+        side.register(kv, NUM_BLOCKS)
+    side.stay_off("layers of two dtypes")
+    puts, connects = real_gateway.puts, real_gateway.connects
+
+    meta = KVHarborMetadata(loads=[transfer([K0, K1], [5, 6, 7, 8])], saves=[transfer([K0], [1, 2])])
+    side.prepare_load(meta)
+    side.begin_step(meta)
+    side.load(meta)
+    side.save(meta)
+    assert side.take_load_errors() == {5, 6, 7, 8}
+    assert side.take_stats()["cache_off"] == 1
+    side.close()
+    assert (real_gateway.puts, real_gateway.connects) == (puts, connects)  # Never connected, nothing stored.

@@ -17,7 +17,10 @@ group other than full attention, a chunk that is not whole blocks) is refused at
 start when the config was given explicitly. Under ``KVHARBOR=1`` alone the engine
 starts and the connector stays off: both halves are absent (``_scheduler`` and
 ``_worker`` None), every call answers as an empty cache, the scheduler's log says
-why once and ``vllm:kvharbor_cache_off`` is 1.
+why once and ``vllm:kvharbor_cache_off`` is 1. What only a worker sees (the tensors
+vLLM registers) is handled the same way there: the worker stays off
+(`WorkerSide.stay_off`: restores fail and are recomputed, nothing is stored) and says
+why, and the scheduler stops planning on its next report.
 """
 
 from __future__ import annotations
@@ -78,11 +81,13 @@ class KVHarborConnector(KVConnectorBase_V1, SupportsHMA):
         """Shared by both roles of one engine (`handoff`)."""
         self.off_reason = ""
         """Why the connector stays off for this engine (`ConnectorRefusal` under ``KVHARBOR=1``)."""
+        self._activated_by_env = activated_by_env(transfer.kv_connector_extra_config)
+        """Enabled by ``KVHARBOR=1`` alone: a refusal then leaves the cache off, not the engine."""
         try:
             self.config = config_from_extra(transfer.kv_connector_extra_config)
             self.layout = build_layout(vllm_config, kv_cache_config, self.config)
         except ConnectorRefusal as err:
-            if not activated_by_env(transfer.kv_connector_extra_config):
+            if not self._activated_by_env:
                 raise RuntimeError(
                     f"kvharbor: the connector refuses to start: {err}. Named in --kv-transfer-config, it refuses "
                     "rather than silently cache nothing: run this model without it (with KVHARBOR=1 alone the "
@@ -90,11 +95,7 @@ class KVHarborConnector(KVConnectorBase_V1, SupportsHMA):
                 ) from None
             self.off_reason = str(err)
             if role == KVConnectorRole.SCHEDULER:  # One line per engine: the workers' say the same.
-                _log.warning(
-                    "kvharbor: KVHARBOR=1, but the connector cannot serve this model, so the engine runs "
-                    "without the external KV cache: %s",
-                    err,
-                )
+                _say_cannot_serve(err)
             return
         except ConfigError as err:
             raise RuntimeError(f"kvharbor: the connector refuses to start: {err}") from None
@@ -213,7 +214,13 @@ class KVHarborConnector(KVConnectorBase_V1, SupportsHMA):
         try:
             self._worker.register(kv_caches, int(self._kv_cache_config.num_blocks))
         except ConnectorRefusal as err:
-            raise RuntimeError(f"kvharbor: the connector refuses to start: {err}") from None
+            if not self._activated_by_env:
+                raise RuntimeError(f"kvharbor: the connector refuses to start: {err}") from None
+            # What only the registered tensors show: under KVHARBOR=1 alone the cache is off
+            # on this rank for good; the scheduler learns it from the next step's stats.
+            self.off_reason = str(err)
+            self._worker.stay_off(self.off_reason)
+            _say_cannot_serve(err)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """vLLM's first call of a step to a worker: the step's restores start here unless the
@@ -286,6 +293,14 @@ class KVHarborConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.close()
         if self._scheduler is not None:
             self._scheduler.close()
+
+
+def _say_cannot_serve(err: ConnectorRefusal) -> None:
+    _log.warning(
+        "kvharbor: KVHARBOR=1, but the connector cannot serve this model, so the engine runs "
+        "without the external KV cache: %s",
+        err,
+    )
 
 
 def _worker_ranks() -> tuple[int, int]:

@@ -181,6 +181,15 @@ class WorkerSide:
         if self._load_link.start() and self._save_link.start():
             self._path.map()
 
+    def stay_off(self, reason: str) -> None:
+        """`register` refused this engine's KV cache, and the engine runs on without the
+        cache (``KVHARBOR=1`` alone): off on this rank for good, never connected. A restore
+        planned before the scheduler learns it (from this rank's stats) fills nothing, so
+        its blocks are reported for recompute; nothing is stored."""
+        if self._path is not None:
+            raise RuntimeError("stay_off after a registration that succeeded")
+        self._ranks.switch.turn_off(reason)
+
     def _check_chunk_bytes(self, registered: int) -> None:
         """The scheduler looks up values of `VllmLayout.chunk_bytes`: a worker whose chunks
         had another size would find every one of them a miss."""
