@@ -223,18 +223,19 @@ def test_chunk_recompute_times_cover_the_transfer() -> None:
 
 
 class FakeLink:
-    def __init__(self, hits: int) -> None:
+    def __init__(self, hits: int, in_ram: bool = True) -> None:
         self.hits = hits
+        self.in_ram = in_ram
         self.is_off = False
 
     def lookup(self, keys: Any, chunk_tokens: int, value_bytes: int = 0) -> Any:
         from kvharbor.gateway.protocol import LookupOk
 
         hits = min(self.hits, len(keys))
-        return LookupOk(hits, hits)  # All in RAM: promised as they are.
+        return LookupOk(hits, hits if self.in_ram else 0)  # In RAM: promised as they are.
 
 
-def scheduler(hits: int, plan: LoadPlanner | None) -> Any:
+def scheduler(hits: int, plan: LoadPlanner | None, in_ram: bool = True) -> Any:
     from kvharbor.cache.keys import LayoutFingerprint
     from kvharbor.config import Config
     from kvharbor.connector.vllm.layout import VllmLayout
@@ -250,7 +251,7 @@ def scheduler(hits: int, plan: LoadPlanner | None) -> Any:
         digests=(fingerprint.digest(),),
         groups=(),
     )
-    return SchedulerSide(layout, Config(), FakeLink(hits), plan)  # type: ignore[arg-type]
+    return SchedulerSide(layout, Config(), FakeLink(hits, in_ram), plan)  # type: ignore[arg-type]
 
 
 def request(tokens: int, req_id: str = "r") -> Any:
@@ -351,3 +352,18 @@ def test_scheduler_stops_restoring_once_a_worker_is_off() -> None:
     assert side.get_num_new_matched_tokens(req, 0) == (2048, False)
     side.observe(stats(cache_off=1))
     assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+
+
+def test_nothing_is_decided_where_vllm_holds_the_whole_hit_itself(caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM's own prefix cache reaches the hit's end (1008 of a 1024-token prompt: the last
+    block before its end, mid-chunk), the chunks on files: there is nothing to load, so no
+    recompute is chosen, said or counted."""
+    pytest.importorskip("vllm")
+    p = planner()
+    p.observe_load(2**30, 2**30 / 1.2e9)
+    p.observe_prefill(LLAMA_8B.flops(0, 32768), 1.22)
+    side = scheduler(hits=4, plan=p, in_ram=False)
+    with caplog.at_level(logging.INFO, logger="kvharbor"):
+        assert side.get_num_new_matched_tokens(request(1024), 1008) == (0, False)
+    assert side.counters.chose_recompute == 0 and p.chose_recompute == 0
+    assert not [r for r in caplog.records if "recomputed, not restored" in r.getMessage()]

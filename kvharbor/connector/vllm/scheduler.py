@@ -170,7 +170,11 @@ class SchedulerSide:
         first = max(resident, num_computed_tokens // size)
         hit_end = self._hit_end(hits, num_tokens)
         end = -(-hit_end // size)  # The chunks a load of them would touch.
-        if end <= first or not self._worth_loading(req_id, num_computed_tokens, hit_end):
+        if (
+            end <= first
+            or hit_end <= num_computed_tokens
+            or not self._worth_loading(req_id, num_computed_tokens, hit_end)
+        ):
             self.counters.hit_chunks += hits
             return hits
         wait_s = self.config.engine.verify_wait_ms / 1000
