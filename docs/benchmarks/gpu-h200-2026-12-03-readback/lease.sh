@@ -16,7 +16,7 @@ go)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $HOME/site .whl/deps/*.whl || exit 1
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --target $HOME/kvh . || exit 1
   python3 -c 'import kvharbor, vllm, torch; print(kvharbor.__file__, vllm.__version__, torch.__version__)' || exit 1
-  timeout 560 python3 bench/gpu.py e2e --modes recompute,slowtier --lengths 32768 --max-model-len 40000 \
+  timeout 560 python3 bench/gpu.py e2e --modes ${MODES:-recompute,slowtier} --lengths 32768 --max-model-len 40000 \
     --model /tmp/kvh-llama31-8b --engine-timeout 270 --out $OUT 2>&1 | tee $OUT/e2e.log | grep -E '^\[|Error' ;;
 *) echo "unknown step $step"; exit 2 ;;
 esac
