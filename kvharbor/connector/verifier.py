@@ -64,6 +64,11 @@ class Verification:
     settled: bool = False
     timed: Callable[[int, float], None] | None = None
     """Told the read-back's bytes and seconds when it ends (`Verifier.submit`)."""
+    proceed: Callable[[int, float], bool] | None = None
+    """Asked before each request after the first, with the chunks read back so far and the
+    seconds that took: whether reading the rest is still faster than recomputing it."""
+    cut: bool = False
+    """``proceed`` said no: the chunks after ``verified`` were left unread (still stored)."""
     done: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -104,15 +109,17 @@ class Verifier:
         stored: int,
         wait_s: float,
         timed: Callable[[int, float], None] | None = None,
+        proceed: Callable[[int, float], bool] | None = None,
     ) -> Verification:
         """Read back chunks ``first .. end`` of ``keys`` (one list per rank); when one fails,
         it and every chunk behind it up to ``stored`` are dropped. Returns at once. ``timed``
         is told, from the verifier's thread, the bytes read back intact (every rank's values)
-        and the seconds that took, when the read-back ends (not where ``value_bytes`` is 0)."""
+        and the seconds that took, when the read-back ends (not where ``value_bytes`` is 0);
+        ``proceed`` may stop it early (`Verification.proceed`)."""
         assert 0 <= first < end <= stored <= len(keys[0]), (first, end, stored, len(keys[0]))
         items = [[(f, bytes(k[chunk])) for f, k in zip(self.fingerprints, keys, strict=True)]
                  for chunk in range(first, stored)]  # fmt: skip
-        job = Verification(items, first, end, time.monotonic() + wait_s, timed=timed)
+        job = Verification(items, first, end, time.monotonic() + wait_s, timed=timed, proceed=proceed)
         self._jobs.put(job)
         return job
 
@@ -134,12 +141,12 @@ class Verifier:
     def _verify(self, job: Verification) -> None:
         started, read = time.perf_counter(), 0
         try:
-            read = self._read_back(job)
+            read = self._read_back(job, started)
         finally:
             if job.timed is not None and read and self.value_bytes:
                 job.timed(read * self.value_bytes, time.perf_counter() - started)
 
-    def _read_back(self, job: Verification) -> int:
+    def _read_back(self, job: Verification, started: float) -> int:
         """Read ``job``'s chunks back, request by request; the values read back intact (of
         every rank: a failed one ends the read-back, and weighs little in the rate)."""
         ranks = len(self.fingerprints)
@@ -148,6 +155,9 @@ class Verifier:
         for start in range(0, wanted, CHUNKS_PER_VERIFY):
             if job.settled or self._closing:
                 break  # Past its deadline, or shutting down: nobody waits for the rest.
+            if start and job.proceed is not None and not job.proceed(job.verified, time.perf_counter() - started):
+                job.cut = True  # The rest arrives slower than it recomputes: left stored, unread.
+                break
             part = job.items[start : min(start + CHUNKS_PER_VERIFY, wanted)]
             answer = self.link.verify([item for chunk in part for item in chunk], self.value_bytes)
             if answer is None:

@@ -8,6 +8,7 @@ yet"). Damage is real: objects rewritten on disk with a flipped byte.
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -288,3 +289,30 @@ def test_a_read_back_teaches_the_planner_its_rate(tiny_model: Path, files_gatewa
     assert rate is not None and rate > 0
     # What the planner predicts for these 9 chunks is what the read-back took, at most.
     assert 9 * rig.layout.chunk_bytes / rate < 100.0
+
+
+def test_a_read_back_slower_than_recomputing_is_cut_after_its_first_request(
+    tiny_model: Path, files_gateway: RealGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No read-back rate known yet, so the chunks on files are read back; after the first
+    request's 8 chunks the rate seen says the other 7 arrive slower than vLLM recomputes them
+    (here, in a microsecond): those are left stored and unread, and recomputed."""
+    rig = SchedulerRig(tiny_model, gateway=files_gateway)
+    tokens = prompt(3900)
+    rig.hold(rig.keys(tokens))
+    cost = prefill_cost(rig.vllm_config)
+    assert cost is not None
+    rig.side.planner = LoadPlanner(
+        cost, chunk_bytes_per_rank(rig.layout), CHUNK, prefill_prior_flops_per_s=cost.flops(0, 3840) / 1e-6
+    )
+
+    with caplog.at_level(logging.INFO, logger="kvharbor"):
+        steps = admit_after_read_back(rig, "r", tokens)
+
+    assert bound(3900) == 15 * CHUNK
+    assert steps[0].new_request("r").num_computed_tokens == 8 * CHUNK
+    counters = rig.side.counters
+    assert (counters.verified_chunks, counters.read_back_skipped_chunks, counters.unverified_chunks) == (8, 7, 0)
+    assert saved_keys(steps) == []  # The unread chunks are still stored: not stored again.
+    said = [r.getMessage() for r in caplog.records if "read-back from a tier outside RAM was stopped" in r.getMessage()]
+    assert len(said) == 1 and "after 8 of 15 chunks" in said[0]

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from kvharbor.cache.bandwidth import PREFILL_SAMPLE_FLOPS_MIN, LoadPlanner
+from kvharbor.cache.bandwidth import PREFILL_SAMPLE_FLOPS_MIN, LoadPlanner, keep_loading
 from kvharbor.cache.keys import ChunkKey
 from kvharbor.config import Config
 from kvharbor.connector.link import CacheLink
@@ -196,8 +197,27 @@ class SchedulerSide:
                 self.counters.read_back_skipped_chunks += end - first
             return first
         state.verify_floor = first
-        state.verification = self.verifier.submit(state.keys, read_from, end, hits, wait_s, self._read_back_timed)
+        state.verification = self.verifier.submit(
+            state.keys, read_from, end, hits, wait_s, self._read_back_timed, self._read_back_cut(read_from, hit_end)
+        )
         return None
+
+    def _read_back_cut(self, read_from: int, hit_end: int) -> Callable[[int, float], bool] | None:
+        """The read-back's cut policy for chunks ``read_from`` .. the one ending at ``hit_end``:
+        asked with the chunks read back so far and the seconds they took, whether the rest
+        still arrives faster than vLLM recomputes it (`keep_loading`, as a load is cut)."""
+        planner = self.planner
+        recompute = planner.chunk_recompute_s(read_from * self.layout.chunk_size, hit_end) if planner else ()
+        if not recompute:
+            return None
+        value_bytes = self.layout.ranks * self.layout.chunk_bytes
+
+        def proceed(done: int, elapsed_s: float) -> bool:
+            return keep_loading(
+                elapsed_s, done * value_bytes, (len(recompute) - done) * value_bytes, sum(recompute[done:])
+            )
+
+        return proceed
 
     def _out_of_window(self, hit_chunks: int, num_tokens: int) -> int:
         """Leading chunks of a restore of ``hit_chunks`` that vLLM keeps no block of: wholly
@@ -226,12 +246,24 @@ class SchedulerSide:
         if not job.settle(time.monotonic()):
             return None
         promised = self._promise(job, state, num_tokens)
-        # Stored up to the first that failed, promised or not: recomputed, never stored again.
-        state.saved_chunks = max(state.saved_chunks, job.good_chunks)
+        # Stored up to the first that failed (all of them, where the read-back was cut),
+        # promised or not: recomputed, never stored again.
+        state.saved_chunks = max(state.saved_chunks, job.first + len(job.items) if job.cut else job.good_chunks)
         self.counters.hit_chunks += promised
         self.counters.verified_chunks += job.verified
-        self.counters.unverified_chunks += job.end - promised
-        if job.failed:
+        if job.cut:
+            self.counters.read_back_skipped_chunks += job.end - promised
+        else:
+            self.counters.unverified_chunks += job.end - promised
+        if job.cut:
+            self._once.say(
+                "read-back-cut",
+                f"a read-back from a tier outside RAM was stopped after {job.verified} of {job.end - job.first} "
+                "chunks: the rest would arrive slower than it recomputes (recomputed instead; said once; counted "
+                "in read_back_skipped_chunks)",
+                logging.INFO,
+            )
+        elif job.failed:
             self._once.say(
                 "read-back",
                 "a stored chunk failed its read-back (damaged or of the wrong size): it is recomputed and stored "
