@@ -236,7 +236,7 @@ class LoadPlanner:
         """A re-measurement began: the next read-back sample replaces the rate."""
         self.prefill_rate = RateEstimate(prior=prefill_prior_flops_per_s)
         self.chose_recompute = 0
-        self.chose_load = 0
+        """Requests its caller counted as recomputed (each once)."""
 
     # -- learning ------------------------------------------------------------
 
@@ -318,7 +318,6 @@ class LoadPlanner:
             "read_back_samples": self.read_back_rate.samples,
             "prefill_flops_per_s": self.prefill_rate.rate or 0.0,
             "prefill_samples": self.prefill_rate.samples,
-            "chose_load": self.chose_load,
             "chose_recompute": self.chose_recompute,
             "load_remeasured": self.remeasured,
         }
