@@ -263,8 +263,9 @@ class LoadPlanner:
     # -- predicting ----------------------------------------------------------
 
     def load_s(self, nbytes: int, read_back_bytes: int = 0) -> float | None:
-        """Restoring ``nbytes`` per rank, ``read_back_bytes`` of them first read back into RAM
-        (0 s for those while no read-back has been timed); None while no load has been."""
+        """Restoring ``nbytes`` per rank (ranks load in parallel), after reading
+        ``read_back_bytes`` (every rank's values, one stream) back into RAM: 0 s for those
+        while no read-back has been timed. None while no load has been."""
         rate = self.load_rate.rate
         if not rate:
             return None
@@ -286,8 +287,8 @@ class LoadPlanner:
         return tuple(self.cost.flops(a, b) / rate for a, b in itertools.pairwise(bounds))
 
     def choose(self, start: int, end: int, chunks: int, read_back_bytes: int = 0) -> Decision:
-        """Load tokens ``start .. end`` (``chunks`` stored chunks, whole, ``read_back_bytes``
-        of them to be read back first) or recompute them? A recompute that rests on a load
+        """Load tokens ``start .. end`` (``chunks`` stored chunks, whole, first reading
+        ``read_back_bytes`` of them back, `load_s`) or recompute them? A recompute that rests on a load
         rate unmeasured for ``resample_s`` is a load instead, one per period (the module's
         docstring says why)."""
         decision = choose(self.load_s(chunks * self.chunk_bytes, read_back_bytes), self.recompute_s(start, end))

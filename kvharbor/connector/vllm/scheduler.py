@@ -253,9 +253,6 @@ class SchedulerSide:
         self.counters.verified_chunks += job.verified
         if job.cut:
             self.counters.read_back_skipped_chunks += job.end - promised
-        else:
-            self.counters.unverified_chunks += job.end - promised
-        if job.cut:
             self._once.say(
                 "read-back-cut",
                 f"a read-back from a tier outside RAM was stopped after {job.verified} of {job.end - job.first} "
@@ -263,7 +260,9 @@ class SchedulerSide:
                 "in read_back_skipped_chunks)",
                 logging.INFO,
             )
-        elif job.failed:
+            return promised
+        self.counters.unverified_chunks += job.end - promised
+        if job.failed:
             self._once.say(
                 "read-back",
                 "a stored chunk failed its read-back (damaged or of the wrong size): it is recomputed and stored "
