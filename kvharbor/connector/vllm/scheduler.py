@@ -185,8 +185,7 @@ class SchedulerSide:
             return first
         # Chunks wholly before a sliding window at the hit's end are never read: nor read back.
         read_from = min(max(first, self._out_of_window(hits, num_tokens)), end - 1)
-        read_back_bytes = (end - read_from) * ranks * self.layout.chunk_bytes
-        if not self._worth_loading(req_id, num_computed_tokens, hit_end, read_back_bytes):
+        if not self._worth_loading(req_id, num_computed_tokens, hit_end, self._read_back_bytes(end - read_from)):
             # Reading them back would take longer than recomputing them: only the chunks
             # that need no read-back are offered (loaded if that is still worth it). The rest
             # stay stored, unread: recomputed, not stored again.
@@ -210,14 +209,18 @@ class SchedulerSide:
         recompute = planner.chunk_recompute_s(read_from * self.layout.chunk_size, hit_end) if planner else ()
         if not recompute:
             return None
-        value_bytes = self.layout.ranks * self.layout.chunk_bytes
 
         def proceed(done: int, elapsed_s: float) -> bool:
+            left = len(recompute) - done
             return keep_loading(
-                elapsed_s, done * value_bytes, (len(recompute) - done) * value_bytes, sum(recompute[done:])
+                elapsed_s, self._read_back_bytes(done), self._read_back_bytes(left), sum(recompute[done:])
             )
 
         return proceed
+
+    def _read_back_bytes(self, chunks: int) -> int:
+        """What reading ``chunks`` back moves: every rank's value of each (one stream)."""
+        return chunks * self.layout.ranks * self.layout.chunk_bytes
 
     def _out_of_window(self, hit_chunks: int, num_tokens: int) -> int:
         """Leading chunks of a restore of ``hit_chunks`` that vLLM keeps no block of: wholly
