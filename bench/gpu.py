@@ -505,12 +505,12 @@ class Engine:
         """Empty the GPU prefix cache (the connector's tiers stay); False if vLLM would not.
         vLLM 0.26 refuses while a request whose restore was cut short still holds its blocks
         ("some blocks (2048) are not freed yet", seen right after one): a one-token request
-        lets the engine step again, then it is asked once more."""
-        for _ in range(3):
+        lets the engine step again, then it is asked again, three times in all."""
+        for _ in range(2):
             if self.llm.reset_prefix_cache():
                 return True
             self.llm.generate([{"prompt_token_ids": prompt(16, 7, self.vocab)}], self.sampling, use_tqdm=False)
-        return False
+        return bool(self.llm.reset_prefix_cache())
 
     def chunk_bytes(self) -> int:
         layout = self.side.layout if self.side is not None else None
