@@ -221,9 +221,9 @@ class _Fleet:
         gpu_end, ram_end, card_end = self._hit_ends(request, engine)
         computed_from = gpu_end
         end = card_end
-        if end > ram_end and not self._worth_loading(engine, gpu_end, end, ram_end):
+        if end > ram_end and not self._worth_loading(engine, gpu_end, end, read_back_tokens=end - ram_end):
             end = ram_end  # As the connector: the card's part is not read back, RAM's is offered.
-        if end > gpu_end and end == ram_end and not self._worth_loading(engine, gpu_end, end, end):
+        if ram_end == end > gpu_end and not self._worth_loading(engine, gpu_end, end, read_back_tokens=0):
             end = gpu_end
         if end < card_end:
             self.chose_recompute += 1
@@ -299,10 +299,10 @@ class _Fleet:
         bt = self.config.block_tokens
         return -(-end // bt) - start // bt
 
-    def _worth_loading(self, engine: _Engine, start: int, end: int, ram_end: int) -> bool:
-        """The connector's choice for tokens ``start .. end``, those past ``ram_end`` read
-        back from the card first."""
-        read_back_bytes = max(0, end - ram_end) * self.config.engine.kv_bytes_per_token
+    def _worth_loading(self, engine: _Engine, start: int, end: int, read_back_tokens: int) -> bool:
+        """The connector's choice for tokens ``start .. end``, the last ``read_back_tokens``
+        of them read back from the card first."""
+        read_back_bytes = read_back_tokens * self.config.engine.kv_bytes_per_token
         return engine.planner.choose(start, end, self._chunks(start, end), read_back_bytes).load
 
     def _read_back_s(self, nbytes: int) -> float:
