@@ -207,10 +207,13 @@ class LoadPlanner:
         resample_s: float | None = None,
         resample_max_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        restore_bytes: int = 0,
     ) -> None:
         """``resample_s``: how long a load rate that says recompute is kept without a new
         sample (None: for ever), doubled after each load that still says so up to
-        ``resample_max_s`` (None: ``resample_s``); ``clock``: monotonic seconds."""
+        ``resample_max_s`` (None: ``resample_s``); ``clock``: monotonic seconds;
+        ``restore_bytes``: what one rank restores once per restore besides its chunks (a
+        hybrid model's state at the restore's end)."""
         assert chunk_bytes > 0 and chunk_tokens > 0
         if resample_s is not None and not resample_s > 0:
             raise ValueError(f"resample_s must be > 0 s, got {resample_s}")
@@ -229,6 +232,9 @@ class LoadPlanner:
         self.chunk_bytes = chunk_bytes
         """Bytes one rank restores per chunk (ranks load in parallel)."""
         self.chunk_tokens = chunk_tokens
+        assert restore_bytes >= 0, restore_bytes
+        self.restore_bytes = restore_bytes
+        """Bytes one rank restores once per restore besides its chunks."""
         self.load_rate = RateEstimate(prior=load_prior_bytes_per_s)
         self.read_back_rate = RateEstimate()
         """Bytes per second of read-backs from tiers outside RAM (every rank's values)."""
@@ -291,7 +297,8 @@ class LoadPlanner:
         ``read_back_bytes`` of them back, `load_s`) or recompute them? A recompute that rests on a load
         rate unmeasured for ``resample_s`` is a load instead, one per period (the module's
         docstring says why)."""
-        decision = choose(self.load_s(chunks * self.chunk_bytes, read_back_bytes), self.recompute_s(start, end))
+        nbytes = chunks * self.chunk_bytes + self.restore_bytes
+        decision = choose(self.load_s(nbytes, read_back_bytes), self.recompute_s(start, end))
         if read_back_bytes and self.read_back_rate.rate:
             decision = replace(decision, reads_back=True)
         if self._resample_bounds_s is None:

@@ -157,6 +157,18 @@ class CacheLink:
         self.counters.hit_chunks += found.hits
         return found
 
+    def locate(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per key, whether some tier holds it (any size; nothing read, no LRU order moved);
+        none held when the cache is off or faulty."""
+        client = self._get_client()
+        if client is None or not keys:
+            return [False] * len(keys)
+        try:
+            return [holders != 0 for holders in client.locate(keys)]
+        except GatewayError as err:
+            self._failed(err)
+            return [False] * len(keys)
+
     def verify(self, items: Sequence[tuple[bytes, bytes]], value_bytes: int = 0) -> int | None:
         """How many leading (fingerprint, key) items are stored intact, read back in full
         (`GatewayClient.verify`); None when there is no answer (the cache is off or faulty,

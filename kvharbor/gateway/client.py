@@ -288,6 +288,17 @@ class GatewayClient:
                 break
         return verified
 
+    def locate(self, keys: Sequence[bytes]) -> list[int]:
+        """Per key, a bit per tier that holds it; 0: none does (see `p.Locate`)."""
+        holders: list[int] = []
+        for start in range(0, len(keys), p.KEYS_PER_MESSAGE_MAX):
+            part = list(keys[start : start + p.KEYS_PER_MESSAGE_MAX])
+            found = self._call(p.Locate(part), p.LocateOk).holders
+            if len(found) != len(part):
+                raise self._fail(f"LOCATE_OK names {len(found)} keys for {len(part)} asked")
+            holders += found
+        return holders
+
     def drop(self, keys: Sequence[bytes]) -> None:
         """Remove ``keys`` from every tier (see `p.Drop`)."""
         for start in range(0, len(keys), p.KEYS_PER_MESSAGE_MAX):

@@ -399,7 +399,8 @@ LOCATED_TIERS_MAX = 64
 @dataclass(frozen=True, slots=True)
 class Locate(Message):
     """Which tiers hold each of ``keys`` (every key, not only a leading run): a read-only
-    question for tools (``kvharbor doctor``). It counts no lookup, moves nothing in any
+    question for tools (``kvharbor doctor``), and for the connector's search of the last
+    stored state among a prompt's chunk ends (a hybrid model's). It counts no lookup, moves nothing in any
     LRU order and reads no value. Allowed before HELLO, like `Status`."""
 
     TYPE: ClassVar[MessageType] = MessageType.LOCATE

@@ -78,8 +78,14 @@ ENGINE_STATS: tuple[EngineStat, ...] = (
         "read_back_skipped_chunks",
         "Stored chunks outside RAM not read back: reading them was predicted slower than recomputing them; recomputed",
     ),
+    EngineStat(
+        "stateless_chunks",
+        "Stored chunks of a hybrid model past the last chunk end with a stored Mamba-type state: not restorable "
+        "without it; recomputed",
+    ),
     EngineStat("loaded_chunks", "Chunks restored from kvharbor into the KV cache"),
-    EngineStat("loaded_bytes", "Bytes restored from kvharbor into the KV cache", shown=Shown.MIB),
+    EngineStat("loaded_states", "Mamba-type states restored from kvharbor (hybrid models; one per restore)"),
+    EngineStat("loaded_bytes", "Bytes restored from kvharbor into the KV cache (chunks and states)", shown=Shown.MIB),
     EngineStat(
         "load_seconds",
         "Seconds spent restoring chunks (on the engine's critical path)",
@@ -88,7 +94,8 @@ ENGINE_STATS: tuple[EngineStat, ...] = (
     ),
     EngineStat("loads", "Steps that restored chunks", shown=Shown.HIDDEN),
     EngineStat("stored_chunks", "Chunks newly stored in kvharbor"),
-    EngineStat("stored_bytes", "Bytes newly stored in kvharbor", shown=Shown.MIB),
+    EngineStat("stored_states", "Mamba-type states at a chunk end newly stored in kvharbor (hybrid models)"),
+    EngineStat("stored_bytes", "Bytes newly stored in kvharbor (chunks and states)", shown=Shown.MIB),
     EngineStat("save_seconds", "Seconds spent storing chunks (behind the engine)", shown=Shown.MS_AVERAGE, per="saves"),
     EngineStat("saves", "Steps whose chunks were stored", shown=Shown.HIDDEN),
     EngineStat(

@@ -8,7 +8,8 @@ kvharbor is on. Spec keys:
 
 - ``model``: the model directory; ``llm``: extra ``LLM(...)`` keyword arguments.
 - ``rounds``: a list of rounds, each a list of requests
-  ``{"tokens": [...], "salt": str|null, "max_tokens": int}``; a round is one
+  ``{"tokens": [...], "salt": str|null, "max_tokens": int, "logprobs": bool}``
+  (``logprobs``: its report also has each output token's log-probability); a round is one
   ``LLM.generate`` call. Prints one ``E2E {"request": ...}`` line per request
   and one ``E2E {"round": ...}`` line per round with the change of vLLM's
   external prefix-cache counters over that round.
@@ -65,14 +66,16 @@ def prompt_of(request: dict[str, Any]) -> dict[str, Any]:
 
 
 def report(tag: str, output: Any) -> None:
-    emit(
-        {
-            "request": tag,
-            "cached": output.num_cached_tokens,
-            "tokens": list(output.outputs[0].token_ids),
-            "finished": bool(output.finished),
-        }
-    )
+    completion = output.outputs[0]
+    record = {
+        "request": tag,
+        "cached": output.num_cached_tokens,
+        "tokens": list(completion.token_ids),
+        "finished": bool(output.finished),
+    }
+    if completion.logprobs:
+        record["logprobs"] = [step[t].logprob for step, t in zip(completion.logprobs, completion.token_ids, strict=True)]
+    emit(record)
 
 
 def run_rounds(llm: Any, rounds: list[list[dict[str, Any]]], between: Callable[[int], None]) -> None:
@@ -81,7 +84,10 @@ def run_rounds(llm: Any, rounds: list[list[dict[str, Any]]], between: Callable[[
 
     for number, requests in enumerate(rounds):
         before = metrics(llm)
-        params = [SamplingParams(max_tokens=r.get("max_tokens", 8), temperature=0.0) for r in requests]
+        params = [
+            SamplingParams(max_tokens=r.get("max_tokens", 8), temperature=0.0, logprobs=0 if r.get("logprobs") else None)
+            for r in requests
+        ]
         outputs = llm.generate([prompt_of(r) for r in requests], params, use_tqdm=False)
         for index, output in enumerate(outputs):
             report(f"{number}.{index}", output)

@@ -61,8 +61,8 @@ def tokens(n: int, seed: int) -> list[int]:
     return [rng.randrange(4, 4096) for _ in range(n)]
 
 
-def request(prompt: list[int], salt: str | None = None, max_tokens: int = 8) -> dict[str, Any]:
-    return {"tokens": prompt, "salt": salt, "max_tokens": max_tokens}
+def request(prompt: list[int], salt: str | None = None, max_tokens: int = 8, logprobs: bool = False) -> dict[str, Any]:
+    return {"tokens": prompt, "salt": salt, "max_tokens": max_tokens, "logprobs": logprobs}
 
 
 @dataclass

@@ -34,8 +34,8 @@ def prefill_cost(vllm_config: Any) -> PrefillCost | None:
 
 
 def chunk_bytes_per_rank(layout: VllmLayout) -> int:
-    """Bytes one rank stores per chunk: every layer's page of every block of it."""
-    return sum(g.page_bytes * len(g.layer_names) for g in layout.groups) * layout.blocks_per_chunk
+    """Bytes one rank stores per chunk: every attention layer's page of every block of it."""
+    return sum(g.page_bytes * len(g.layer_names) for g in layout.kv_groups) * layout.blocks_per_chunk
 
 
 def load_planner(vllm_config: Any, layout: VllmLayout, engine: EngineSection) -> LoadPlanner | None:
@@ -46,5 +46,10 @@ def load_planner(vllm_config: Any, layout: VllmLayout, engine: EngineSection) ->
         _log.info("kvharbor: model shape unreadable; every stored prefix is loaded (no load-or-recompute choice)")
         return None
     return LoadPlanner(
-        cost, nbytes, layout.chunk_size, resample_s=engine.load_resample_s, resample_max_s=engine.load_resample_max_s
+        cost,
+        nbytes,
+        layout.chunk_size,
+        resample_s=engine.load_resample_s,
+        resample_max_s=engine.load_resample_max_s,
+        restore_bytes=layout.state_bytes,
     )

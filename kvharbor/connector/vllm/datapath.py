@@ -43,6 +43,19 @@ _log = get_logger("kvharbor.connector.vllm")
 Count = Callable[..., None]
 """``count(**deltas)``: adds to the worker's stats."""
 
+SavesOf = Callable[["KVHarborMetadata"], "Sequence[ChunkTransfer]"]
+"""The transfers of a step's metadata that a data path saves."""
+
+
+def chunk_saves(meta: KVHarborMetadata) -> Sequence[ChunkTransfer]:
+    """A step's chunk saves (`KVHarborMetadata.saves`)."""
+    return meta.saves
+
+
+def state_saves(meta: KVHarborMetadata) -> Sequence[ChunkTransfer]:
+    """A step's state saves: those its chunk saves carry (`ChunkTransfer.state`)."""
+    return [save.state for save in meta.saves if save.state is not None]
+
 
 @dataclass(frozen=True, slots=True)
 class SaveParts:
@@ -62,6 +75,10 @@ class SaveParts:
     step_waits: bool
     """The step returns only once the values are filled and marked complete: always when
     the fill reads the blocks, else for a step that ends a prompt (``saves_land_before_answer``)."""
+    fingerprint: bytes
+    """The layout the values are stored under (chunk objects', or a hybrid model's states')."""
+    value_bytes: int
+    """The bytes of each value."""
 
 
 class DataPath:
@@ -78,10 +95,13 @@ class DataPath:
         count: Count,
         engine: EngineSection,
         register: Register | None,
+        saves_of: SavesOf = chunk_saves,
     ) -> None:
         """``register``: page-locks a mapping for the GPU (`pinning.cuda_host_register`); None
-        on the CPU, where copies read and write the mappings as they are."""
+        on the CPU, where copies read and write the mappings as they are. ``saves_of``: which
+        transfers of a step it saves (a hybrid model's states have a data path of their own)."""
         self.copy = copy
+        self._saves_of = saves_of
         self.layer_index = {name: i for i, name in enumerate(layer_names)}
         self.rank = rank
         self.fingerprint = fingerprint
@@ -94,6 +114,8 @@ class DataPath:
         self._register = register
         self.mappings: list[PinnedMapping] = []
         """The load link's mapping, then the save link's; empty when not mapped (cache off)."""
+        self._owns_mappings = True
+        """False where they are another data path's (`share`): that one unmaps them."""
         self._meta: KVHarborMetadata | None = None
         self._save: StepSave | None = None
         self._save_keys: list[bytes] = []
@@ -146,9 +168,26 @@ class DataPath:
             )  # fmt: skip
         return True
 
+    def share(self, owner: DataPath) -> bool:
+        """Use ``owner``'s mappings (mapped, and page-locked once: a second registration of the
+        same memory would fail) and reserve this path's load staging; False when ``owner`` has
+        none or the staging cannot be had (the cache is then off on this rank)."""
+        if not owner.mappings:
+            return False
+        self.mappings, self._owns_mappings = owner.mappings, False
+        try:
+            self.copy.reserve_loads()
+        except StagingUnavailable as err:
+            self.mappings = []
+            self._load_link.switch.turn_off(str(err))
+            _log.error("kvharbor: %s. The external KV cache is off on this rank; the engine keeps serving", err)
+            return False
+        return True
+
     def _unmap(self) -> None:
-        for mapping in self.mappings:
-            mapping.close()
+        if self._owns_mappings:
+            for mapping in self.mappings:
+                mapping.close()
         self.mappings = []
 
     # -- loads -----------------------------------------------------------------
@@ -214,7 +253,7 @@ class DataPath:
     def save_layer(self, layer_name: str) -> None:
         """The forward pass has written this layer: gather its pages of the step's chunks."""
         meta = self._meta
-        if meta is None or not meta.saves:
+        if meta is None or not self._saves_of(meta):
             return
         if not self._save_opened:
             self._open_save(meta)
@@ -225,7 +264,8 @@ class DataPath:
     def end_step(self, meta: KVHarborMetadata) -> SaveParts | None:
         """End of the step's forward pass: finish the gathers; what the saver thread stores."""
         self.copy.wait_loads()
-        if meta.saves and not self._save_opened:
+        saves = self._saves_of(meta)
+        if saves and not self._save_opened:
             self._open_save(meta)
         save, keys = self._save, self._save_keys
         self._meta, self._save, self._save_keys, self._save_opened = None, None, [], False
@@ -241,13 +281,15 @@ class DataPath:
             reads_blocks=not self.copy.snapshots_saves,
             step_waits=not self.copy.snapshots_saves
             or (self._land_before_answer and any(s.ends_prompt for s in meta.saves)),
+            fingerprint=self.fingerprint,
+            value_bytes=self.copy.chunk_bytes,
         )
 
     def _open_save(self, meta: KVHarborMetadata) -> None:
         self._save_opened = True
         if len(self.mappings) < 2 or self._save_link.is_off:
             return
-        plan = plan_saves(meta.saves, self.rank, self.copy.blocks_per_chunk)
+        plan = plan_saves(self._saves_of(meta), self.rank, self.copy.blocks_per_chunk)
         save = self.copy.open_save(plan.blocks, self._save_staging_wait_s)
         self.stalled = self.copy.staging_waited_s > self._stall_s
         kept = save.chunks if save is not None else 0

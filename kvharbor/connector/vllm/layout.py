@@ -13,8 +13,9 @@ silently left uncached.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvharbor.cache.keys import ChunkKey, LayoutFingerprint, chunk_keys, max_hit_tokens
@@ -39,6 +40,14 @@ class CacheGroup:
     """Tokens per block of this group."""
     sliding_window: int | None = None
     """Tokens a layer of a sliding-window group attends to; None for the other kinds."""
+    state_page_bytes: int = 0
+    """A Mamba-type group's state per layer without vLLM's padding (what its registered
+    tensor holds per block); 0 for attention groups."""
+
+    @property
+    def holds_state(self) -> bool:
+        """A Mamba-type group: a block holds one recurrent state, not the KV of its tokens."""
+        return self.kind in _STATE_KINDS
 
 
 def describe_groups(kv_cache_config: Any) -> list[CacheGroup]:
@@ -53,6 +62,9 @@ def describe_groups(kv_cache_config: Any) -> list[CacheGroup]:
                 fields.append(f"{name}={value}")
         descriptor = f"{kind}[{len(group.layer_names)}]({','.join(fields)})"
         window = getattr(spec, "sliding_window", None) if kind == SLIDING_WINDOW else None
+        if kind in _STATE_KINDS:
+            fields.append(f"mode={getattr(spec, 'mamba_cache_mode', None)}")
+            descriptor = f"{kind}[{len(group.layer_names)}]({','.join(fields)},state={_state_bytes(spec)})"
         groups.append(
             CacheGroup(
                 index,
@@ -62,9 +74,22 @@ def describe_groups(kv_cache_config: Any) -> list[CacheGroup]:
                 descriptor,
                 int(spec.block_size),
                 None if window is None else int(window),
+                _state_bytes(spec) if kind in _STATE_KINDS else 0,
             )
         )
     return groups
+
+
+def _state_bytes(spec: Any) -> int:
+    """The bytes of one Mamba-type state: every state tensor of it (``spec.shapes``, ``spec.dtypes``)."""
+    return sum(math.prod(shape) * _itemsize(dtype) for shape, dtype in zip(spec.shapes, spec.dtypes, strict=True))
+
+
+def _itemsize(dtype: Any) -> int:
+    size = getattr(dtype, "itemsize", None)
+    if size is None:
+        raise ConnectorRefusal(f"a Mamba-type state of dtype {dtype!r}: its size is unknown")
+    return int(size)
 
 
 def smallest_window(groups: Sequence[CacheGroup]) -> int | None:
@@ -74,15 +99,19 @@ def smallest_window(groups: Sequence[CacheGroup]) -> int | None:
 
 def restore_reach(groups: Sequence[CacheGroup]) -> int | None:
     """How far back from its end a restore reads, in tokens: the largest sliding window when
-    every group has one; None (from the start) when some group attends to every token."""
-    windows = [g.sliding_window for g in groups]
+    every attention group has one; None (from the start) when some group attends to every
+    token. A Mamba-type group reads only the state at the end."""
+    windows = [g.sliding_window for g in groups if not g.holds_state]
     if not windows or any(w is None for w in windows):
         return None
     return max(w for w in windows if w is not None)
 
 
 SLIDING_WINDOW = "SlidingWindowSpec"
-_EXCHANGEABLE = {"FullAttentionSpec", SLIDING_WINDOW}
+_STATE_KINDS = frozenset({"MambaSpec"})
+"""Spec kinds whose block holds a recurrent state (Mamba, Mamba-2, Gated DeltaNet, ...:
+vLLM gives them all `MambaSpec`, told apart by ``mamba_type``)."""
+_EXCHANGEABLE = {"FullAttentionSpec", SLIDING_WINDOW, *_STATE_KINDS}
 """Spec kinds whose pages the connector knows how to store and restore."""
 
 
@@ -99,13 +128,12 @@ def check_groups(
         names = "; ".join(f"group {g.index} {g.kind} (layer {g.layer_names[0]})" for g in first.values())
         raise ConnectorRefusal(
             f"KV cache registry: {len(foreign)} of {len(groups)} cache group(s) have no writer the connector "
-            f"can reach; first of each kind: {names}. kvharbor exchanges full-attention and sliding-window caches only "
-            "(tell us the model and this line)"
+            f"can reach; first of each kind: {names}. kvharbor exchanges full-attention, sliding-window and "
+            "Mamba-type caches only (tell us the model and this line)"
         )
-    mamba = [g for g in groups if "Mamba" in g.kind]
+    mamba = [g for g in groups if g.holds_state]
     if mamba:
-        watermark = float(getattr(vllm_config.scheduler_config, "watermark", 0.0) or 0.0)
-        check_mamba_reserve(len(mamba), watermark, num_gpu_blocks)
+        check_state_groups(groups, vllm_config, num_gpu_blocks)
     pp_size = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
     if len(groups) > 1 and pp_size > 1:
         raise ConnectorRefusal(
@@ -157,6 +185,34 @@ def check_sliding_window(group: CacheGroup, vllm_config: Any, chunk_size: int) -
         )
 
 
+def check_state_groups(groups: Sequence[CacheGroup], vllm_config: Any, num_gpu_blocks: int) -> None:
+    """A Mamba-type group is exchanged as one state per chunk boundary (`VllmLayout.state_bytes`),
+    which exists only where vLLM keeps states at block boundaries: in ``align`` mode, with
+    prefix caching on (vLLM otherwise keeps only each request's running state)."""
+    mamba = [g for g in groups if g.holds_state]
+    first = mamba[0]
+    if all(g.holds_state for g in groups):
+        raise ConnectorRefusal(
+            f"every KV cache group holds a Mamba-type state (group {first.index} {first.kind}): kvharbor restores a "
+            "state together with the attention KV of the same tokens, and this model has none"
+        )
+    cache = vllm_config.cache_config
+    mode = getattr(cache, "mamba_cache_mode", None)
+    if mode != "align":
+        raise ConnectorRefusal(
+            f"Mamba-type group {first.index} ({first.kind}, layer {first.layer_names[0]}) with --mamba-cache-mode "
+            f"{mode}: kvharbor stores a state per chunk boundary, which vLLM keeps only in align mode; start vLLM "
+            "with --mamba-cache-mode align"
+        )
+    if not getattr(cache, "enable_prefix_caching", False):
+        raise ConnectorRefusal(
+            f"Mamba-type group {first.index} ({first.kind}) without prefix caching: vLLM then keeps no state at "
+            "block boundaries to store; start vLLM with --enable-prefix-caching"
+        )
+    watermark = float(getattr(vllm_config.scheduler_config, "watermark", 0.0) or 0.0)
+    check_mamba_reserve(len(mamba), watermark, num_gpu_blocks)
+
+
 def check_mamba_reserve(mamba_groups: int, watermark: float, num_gpu_blocks: int) -> None:
     """Hybrid models need int(watermark x num_gpu_blocks) >= number of Mamba groups free
     at admission: each Mamba group takes one block for a restored state that vLLM's
@@ -179,9 +235,31 @@ class VllmLayout:
     tp_size: int
     pp_size: int
     fingerprints: tuple[LayoutFingerprint, ...]
-    """One per rank, indexed by `rank_index`."""
+    """One per rank, indexed by `rank_index`: of the chunk objects (attention KV)."""
     digests: tuple[bytes, ...]
     groups: tuple[CacheGroup, ...]
+    state_fingerprints: tuple[LayoutFingerprint, ...] = ()
+    """One per rank: of the state objects (every Mamba-type group's state at a chunk
+    boundary); empty without Mamba-type groups."""
+    state_digests: tuple[bytes, ...] = ()
+
+    @property
+    def kv_groups(self) -> tuple[CacheGroup, ...]:
+        """The attention groups, whose pages of a chunk's blocks make its chunk object."""
+        return tuple(g for g in self.groups if not g.holds_state)
+
+    @property
+    def state_groups(self) -> tuple[CacheGroup, ...]:
+        """The Mamba-type groups, whose state at a chunk's end makes its state object."""
+        return tuple(g for g in self.groups if g.holds_state)
+
+    @property
+    def state_bytes(self) -> int:
+        """The bytes of one rank's state object: every Mamba-type layer's state; 0 without
+        such groups, and where ranks differ (pipeline stages)."""
+        if self.pp_size != 1:
+            return 0
+        return sum(len(g.layer_names) * g.state_page_bytes for g in self.state_groups)
 
     @property
     def blocks_per_chunk(self) -> int:
@@ -197,7 +275,7 @@ class VllmLayout:
         blocks); 0 where ranks differ (pipeline stages may hold different layer counts)."""
         if self.pp_size != 1:
             return 0
-        return sum(len(g.layer_names) * g.page_bytes for g in self.groups) * self.blocks_per_chunk
+        return sum(len(g.layer_names) * g.page_bytes for g in self.kv_groups) * self.blocks_per_chunk
 
     def rank_index(self, tp_rank: int, pp_rank: int) -> int:
         assert 0 <= tp_rank < self.tp_size and 0 <= pp_rank < self.pp_size
@@ -206,6 +284,11 @@ class VllmLayout:
     def keys(self, token_ids: Sequence[int], salt: str | None) -> list[list[ChunkKey]]:
         """Per rank, the chunk keys of every full chunk of ``token_ids``."""
         return [chunk_keys(digest, self.chunk_size, token_ids, salt) for digest in self.digests]
+
+    def state_keys(self, token_ids: Sequence[int], salt: str | None) -> list[list[ChunkKey]]:
+        """Per rank, the keys of the state at the end of every full chunk of ``token_ids``
+        (empty lists without Mamba-type groups)."""
+        return [chunk_keys(digest, self.chunk_size, token_ids, salt) for digest in self.state_digests]
 
     def max_hit_tokens(self, num_tokens: int) -> int:
         return max_hit_tokens(num_tokens, self.chunk_size)
@@ -270,6 +353,13 @@ def build_layout(vllm_config: Any, kv_cache_config: Any, config: Config) -> Vllm
         for pp_rank in range(pp_size)
         for tp_rank in range(tp_size)
     )
+    # A state object holds other bytes under the same tokens: its own fingerprint, so its
+    # keys are never a chunk object's.
+    states = (
+        tuple(replace(f, extra=(*f.extra, ("object", "state"))) for f in fingerprints)
+        if any(g.holds_state for g in groups)
+        else ()
+    )
     return VllmLayout(
         chunk_size=chunk_size,
         block_size=block_size,
@@ -278,4 +368,6 @@ def build_layout(vllm_config: Any, kv_cache_config: Any, config: Config) -> Vllm
         fingerprints=fingerprints,
         digests=tuple(f.digest() for f in fingerprints),
         groups=tuple(groups),
+        state_fingerprints=states,
+        state_digests=tuple(f.digest() for f in states),
     )

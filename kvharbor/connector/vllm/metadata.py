@@ -34,6 +34,11 @@ class ChunkTransfer:
     ends_prompt: bool = False
     """Saves: this transfer holds the request's last storable chunk, so the step that
     computes it may be the one whose answer goes out first (`EngineSection.saves_land_before_answer`)."""
+    state: ChunkTransfer | None = None
+    """A hybrid model's Mamba-type state at the end of this transfer's last chunk: one key
+    per rank, one block per Mamba-type group. A load restores it first and its chunks only
+    if it was restored (a restore ends at its state, or does not happen); a save stores it
+    beside its chunks. None for other models, and for saves whose step ended off a chunk end."""
 
     def __post_init__(self) -> None:
         assert self.keys and all(len(k) == len(self.keys[0]) for k in self.keys), "one key list per rank"

@@ -12,6 +12,12 @@ told is cached is what is restored. It plans:
   prompt, because vLLM must compute the last prompt position itself;
 - a save of each prompt chunk the step completes, once; a chunk that failed
   its read-back, or its load, is saved again from the recomputed KV.
+
+A hybrid model's Mamba-type groups hold one recurrent state per request, not KV per
+token: vLLM (``--mamba-cache-mode align``) keeps it at block boundaries where a step
+ends. Where a step ends on a chunk boundary, that state is stored beside the chunk
+(a state object, `VllmLayout.state_keys`), and a restore ends only at a chunk whose
+state is stored: its chunks and that state are restored together, or nothing is.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from kvharbor.cache.keys import ChunkKey
 from kvharbor.config import Config
 from kvharbor.connector.link import CacheLink
 from kvharbor.connector.verifier import Verification, Verifier
-from kvharbor.connector.vllm.chunks import leading_nulls, span
+from kvharbor.connector.vllm.chunks import NULL_BLOCK, GroupBlocks, leading_nulls, span
 from kvharbor.connector.vllm.layout import VllmLayout
 from kvharbor.connector.vllm.metadata import ChunkTransfer, KVHarborMetadata
 from kvharbor.connector.vllm.stats import empty
@@ -42,6 +48,8 @@ class _Request:
     keys: list[list[ChunkKey]]
     """Per rank, the keys of the prompt's full chunks."""
     prompt_tokens: int
+    state_keys: list[list[ChunkKey]] = field(default_factory=list)
+    """Per rank, the keys of the state at each full chunk's end (hybrid models; else empty)."""
     block_ids: list[list[int]] = field(default_factory=list)
     """Per KV cache group, the request's blocks (`chunks.GroupBlocks`); empty until scheduled."""
     saved_chunks: int = 0
@@ -85,6 +93,8 @@ class SchedulerCounters:
     """Prompts shorter than one chunk: nothing to look up."""
     chose_recompute: int = 0
     """Requests whose stored prefix was recomputed: loading it was predicted slower."""
+    stateless_chunks: int = 0
+    """Stored chunks of a hybrid model past the last chunk end with a stored state."""
     window_unsaved: int = 0
     """Chunks not saved: vLLM had freed their blocks, out of a sliding window, before the save."""
 
@@ -166,6 +176,9 @@ class SchedulerSide:
         self.counters.lookups += 1
         self.counters.lookup_chunks += len(state.keys[0])
         hits, resident = found.hits // ranks, found.resident // ranks
+        if state.state_keys:
+            hits = self._state_end(state, hits, num_tokens, num_computed_tokens // size)
+            resident = hits if resident >= hits else 0  # A shorter part in RAM ends at no state.
         state.resident_chunks = resident
         # Chunks vLLM holds itself are not loaded: reading them back would be wasted.
         first = max(resident, num_computed_tokens // size)
@@ -200,6 +213,40 @@ class SchedulerSide:
             state.keys, read_from, end, hits, wait_s, self._read_back_timed, self._read_back_cut(read_from, hit_end)
         )
         return None
+
+    def _state_end(self, state: _Request, hits: int, num_tokens: int, own: int) -> int:
+        """A hybrid model's restorable chunks: the most, at most ``hits`` (stored) and past
+        ``own`` (vLLM's own hit), whose last chunk's state is stored, intact, for every rank;
+        0 when there is none. One question for every chunk end (`CacheLink.locate`), then the
+        one found is looked up at its size and, outside RAM, read back (it is small: the
+        states of one position, where the chunks are the KV of every position)."""
+        size, ranks = self.layout.chunk_size, self.layout.ranks
+        top = min(hits, self._hit_end(hits, num_tokens) // size)
+        if top <= own:
+            return 0
+        candidates = range(top, own, -1)
+        asked = [state.state_keys[r][c - 1] for c in candidates for r in range(ranks)]
+        held = self.link.locate(asked)
+        found = next((c for i, c in enumerate(candidates) if all(held[i * ranks : (i + 1) * ranks])), 0)
+        if found:
+            keys = [state.state_keys[r][found - 1] for r in range(ranks)]
+            looked = self.link.lookup(keys, size, self.layout.state_bytes)
+            if looked.hits < ranks:
+                found = 0  # Of another size: another layout's bytes under its key (never seen).
+            elif looked.resident < ranks:
+                items = list(zip(self.layout.state_digests, keys, strict=True))
+                if self.link.verify(items, self.layout.state_bytes) != ranks:
+                    found = 0
+        self.counters.stateless_chunks += top - max(found, own)
+        if found < top:
+            self._once.say(
+                "stateless",
+                f"stored chunks of a hybrid model were recomputed: no Mamba-type state is stored at their end (a "
+                f"state is stored where a step ends on a chunk boundary, {size} tokens); said once, counted in "
+                "stateless_chunks",
+                logging.INFO,
+            )
+        return found
 
     def _read_back_cut(self, read_from: int, hit_end: int) -> Callable[[int, float], bool] | None:
         """The read-back's cut policy for chunks ``read_from`` .. the one ending at ``hit_end``:
@@ -238,6 +285,8 @@ class SchedulerSide:
         (a failure, the deadline) and the window at that shorter end reaches chunks before the
         read-back began (not read back): then only what needed no read-back."""
         good, floor = job.good_chunks, state.verify_floor
+        if good < job.end and state.state_keys:
+            return floor  # A hybrid model's restore ends at its state, or does not happen.
         if good < job.end and job.first > floor and self._out_of_window(good, num_tokens) < job.first:
             return floor
         return good
@@ -300,8 +349,9 @@ class SchedulerSide:
         load = ChunkTransfer(
             request_id=request.request_id,
             keys=[keys[first_chunk:last_chunk] for keys in state.keys],
-            block_ids=span(block_ids, start_block, end_block),
+            block_ids=span(self._kv_blocks(block_ids), start_block, end_block),
             skip_blocks=start_block - first_chunk * per_chunk,
+            state=self._state_transfer(request.request_id, state, block_ids, last_chunk) if state.state_keys else None,
             recompute_s=(
                 self.planner.chunk_recompute_s(state.local_tokens, state.local_tokens + num_external_tokens)
                 if self.planner is not None
@@ -310,6 +360,21 @@ class SchedulerSide:
         )
         state.load, state.load_first_chunk = load, first_chunk
         self._loads.append(load)
+
+    def _kv_blocks(self, block_ids: GroupBlocks) -> GroupBlocks:
+        """The attention groups' blocks of ``block_ids`` (every group's, in vLLM's order):
+        those a chunk object holds."""
+        return [block_ids[g.index] for g in self.layout.kv_groups]
+
+    def _state_transfer(self, req_id: str, state: _Request, block_ids: GroupBlocks, chunks: int) -> ChunkTransfer:
+        """The state at the end of chunk ``chunks - 1`` and the block of each Mamba-type group
+        that holds it (vLLM keeps the state after ``k`` blocks in the block at index ``k - 1``)."""
+        block = chunks * self.layout.blocks_per_chunk - 1
+        return ChunkTransfer(
+            request_id=req_id,
+            keys=[keys[chunks - 1 : chunks] for keys in state.state_keys],
+            block_ids=[[block_ids[g.index][block]] for g in self.layout.state_groups],
+        )
 
     # -- each step ---------------------------------------------------------------
 
@@ -501,7 +566,11 @@ class SchedulerSide:
     def _new_request(self, request_id: str, prompt: Any, salt: str | None) -> _Request:
         if len(prompt) < self.layout.chunk_size:
             self.counters.short_prompts += 1
-        state = _Request(keys=self.layout.keys(prompt, salt), prompt_tokens=len(prompt))
+        state = _Request(
+            keys=self.layout.keys(prompt, salt),
+            prompt_tokens=len(prompt),
+            state_keys=self.layout.state_keys(prompt, salt),
+        )
         self._requests[request_id] = state
         return state
 
@@ -509,14 +578,15 @@ class SchedulerSide:
         """Save the prompt chunks complete after this step that are not saved yet."""
         per_chunk = self.layout.blocks_per_chunk
         done = min(computed_after, state.prompt_tokens) // self.layout.chunk_size
-        held = len(state.block_ids[0]) if state.block_ids else 0
+        kv_blocks = self._kv_blocks(state.block_ids) if state.block_ids else []
+        held = len(kv_blocks[0]) if kv_blocks else 0
         done = min(done, held // per_chunk, len(state.keys[0]))
         if done <= state.saved_chunks:
             return
         first = state.saved_chunks
         # Null blocks (they lead) are out of a sliding window: vLLM freed them, nothing is left
         # to save there. `check_sliding_window` keeps a step's new chunks clear of them.
-        nulls = max(leading_nulls(ids) for ids in span(state.block_ids, first * per_chunk, done * per_chunk))
+        nulls = max(leading_nulls(ids) for ids in span(kv_blocks, first * per_chunk, done * per_chunk))
         if nulls:
             skipped = min(done, first + -(-nulls // per_chunk)) - first
             self.counters.window_unsaved += skipped
@@ -529,12 +599,18 @@ class SchedulerSide:
             state.saved_chunks = first
             if first >= done:
                 return
+        # The step ends on its last chunk's end: vLLM's running state is the state there.
+        ends_on_chunk = state.state_keys and computed_after == done * self.layout.chunk_size
+        state_save = self._state_transfer(req_id, state, state.block_ids, done) if ends_on_chunk else None
+        if state_save is not None and NULL_BLOCK in (ids[0] for ids in state_save.block_ids):
+            state_save = None  # vLLM holds no state there (not seen): nothing to store.
         meta.saves.append(
             ChunkTransfer(
                 request_id=req_id,
                 keys=[keys[first:done] for keys in state.keys],
-                block_ids=span(state.block_ids, first * per_chunk, done * per_chunk),
+                block_ids=span(kv_blocks, first * per_chunk, done * per_chunk),
                 ends_prompt=done == len(state.keys[0]),
+                state=state_save,
             )
         )
         state.saved_chunks = done

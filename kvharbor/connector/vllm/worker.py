@@ -81,10 +81,10 @@ from kvharbor.connector.link import CacheLink, say_off
 from kvharbor.connector.ranks import RankAgreement, SoleRank
 from kvharbor.connector.vllm.chunks import NULL_BLOCK
 from kvharbor.connector.vllm.copier import PageCopy
-from kvharbor.connector.vllm.datapath import DataPath, SaveParts
+from kvharbor.connector.vllm.datapath import DataPath, SaveParts, state_saves
 from kvharbor.connector.vllm.device_copy import DeviceCopy
 from kvharbor.connector.vllm.host_copy import HostCopy
-from kvharbor.connector.vllm.layout import ConnectorRefusal, VllmLayout
+from kvharbor.connector.vllm.layout import CacheGroup, ConnectorRefusal, VllmLayout
 from kvharbor.connector.vllm.metadata import ChunkTransfer, KVHarborMetadata
 from kvharbor.connector.vllm.pinning import cuda_host_register
 from kvharbor.connector.vllm.stats import empty
@@ -98,7 +98,8 @@ _log = get_logger("kvharbor.connector.vllm")
 @dataclass(frozen=True, slots=True)
 class _SaveJob:
     parts: SaveParts
-    chunk_bytes: int
+    stored_stat: str
+    """The stat its stored values count in: ``stored_chunks``, or ``stored_states``."""
     filled: threading.Event
     """Set once every value's bytes are in shared memory (or the store gave up)."""
     gave_up: threading.Event
@@ -137,6 +138,8 @@ class WorkerSide:
         self._save_link = save_link
         self._ranks = ranks if ranks is not None else RankAgreement(SoleRank(), load_link.switch)
         self._path: DataPath | None = None
+        self._state_path: DataPath | None = None
+        """A hybrid model's Mamba-type states (one block per chunk end); None for other models."""
         self._timer: StepTimer | None = None
         self._load_errors: set[int] = set()
         self._stats = empty()
@@ -152,34 +155,74 @@ class WorkerSide:
         """Set from `prepare_load` until the step's `load` takes it; engine thread only."""
 
     def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
-        # Each group's layers together (`pages`): a load copies only the groups it restores.
-        group_of = dict(zip(kv_caches, self.layout.groups_of(list(kv_caches)), strict=True))
-        names = sorted(kv_caches, key=group_of.__getitem__)
-        tensors, groups = [kv_caches[name] for name in names], [group_of[name] for name in names]
-        engine, per_chunk = self.config.engine, self.layout.blocks_per_chunk
-        device = tensors[0].device
-        on_gpu = device.type == "cuda"
-        copy: PageCopy
-        if on_gpu:
-            copy = DeviceCopy(
-                tensors, num_blocks, per_chunk, engine.load_batch_bytes, engine.save_staging_bytes_max, groups
-            )
-        else:
-            copy = HostCopy(tensors, num_blocks, per_chunk, engine.load_batch_bytes, groups)
-        self._check_chunk_bytes(copy.chunk_bytes)
+        layout = self.layout
+        group_of = dict(zip(kv_caches, layout.groups_of(list(kv_caches)), strict=True))
+        kv_names = [n for n in kv_caches if group_of[n] in {g.index for g in layout.kv_groups}]
+        state_names = [n for n in kv_caches if n not in kv_names]
+        on_gpu = kv_caches[kv_names[0]].device.type == "cuda"
+        copy, names = self._page_copy(kv_caches, kv_names, group_of, layout.kv_groups, layout.blocks_per_chunk,
+                                      num_blocks, on_gpu)  # fmt: skip
+        self._check_bytes(copy.chunk_bytes, layout.chunk_bytes, "chunk")
         _log.info(
             "kvharbor: %d %scache tensors registered (rank %d, page %d B, %.2f MiB per %d-token chunk; layout %s)",
             len(kv_caches), "GPU " if on_gpu else "", self.rank, copy.pages.page_bytes, copy.chunk_bytes / 2**20,
             self.layout.chunk_size, self.layout.fingerprints[self.rank].short(),
         )  # fmt: skip
-        self._timer = StepTimer(device)
+        engine = self.config.engine
+        self._timer = StepTimer(copy.pages.device)
         self._path = DataPath(
             copy, names, self._load_link, self._save_link, self.rank, self.fingerprint, self._count,
             engine, register=cuda_host_register if on_gpu else None,
         )  # fmt: skip
+        if state_names:
+            # One state per chunk end: a "chunk" of one block of every Mamba-type group.
+            state_copy, state_order = self._page_copy(
+                kv_caches, state_names, group_of, layout.state_groups, 1, num_blocks, on_gpu
+            )
+            self._check_bytes(state_copy.chunk_bytes, layout.state_bytes, "state")
+            _log.info(
+                "kvharbor: %d Mamba-type state tensors registered (rank %d, %.2f MiB per state at a chunk end)",
+                len(state_names), self.rank, state_copy.chunk_bytes / 2**20,
+            )  # fmt: skip
+            self._state_path = DataPath(
+                state_copy, state_order, self._load_link, self._save_link, self.rank,
+                layout.state_digests[self.rank], self._count_states, engine, register=None, saves_of=state_saves,
+            )  # fmt: skip
         # Connect now: an embedded gateway starts here, not in the first request's path.
-        if self._load_link.start() and self._save_link.start():
-            self._path.map()
+        if self._load_link.start() and self._save_link.start() and self._path.map() and self._state_path is not None:
+            self._state_path.share(self._path)
+
+    def _page_copy(
+        self,
+        kv_caches: dict[str, torch.Tensor],
+        names: Sequence[str],
+        group_of: dict[str, int],
+        groups: Sequence[CacheGroup],
+        blocks_per_chunk: int,
+        num_blocks: int,
+        on_gpu: bool,
+    ) -> tuple[PageCopy, list[str]]:
+        """The page copy of the layers ``names`` of ``groups`` (their blocks are
+        `ChunkTransfer.block_ids` in that order), and the layers in its order: each group's
+        together (`pages`), so a load copies only the groups it restores."""
+        position = {g.index: i for i, g in enumerate(groups)}
+        ordered = sorted(names, key=lambda n: position[group_of[n]])
+        tensors, indices = [kv_caches[n] for n in ordered], [position[group_of[n]] for n in ordered]
+        engine = self.config.engine
+        if on_gpu:
+            copy: PageCopy = DeviceCopy(
+                tensors, num_blocks, blocks_per_chunk, engine.load_batch_bytes, engine.save_staging_bytes_max, indices
+            )
+        else:
+            copy = HostCopy(tensors, num_blocks, blocks_per_chunk, engine.load_batch_bytes, indices)
+        return copy, ordered
+
+    def _count_states(self, **deltas: float) -> None:
+        """The state path's counts: its values are states, not chunks."""
+        for chunks, states in (("loaded_chunks", "loaded_states"), ("stored_chunks", "stored_states")):
+            if chunks in deltas:
+                deltas[states] = deltas.pop(chunks)
+        self._count(**deltas)
 
     def stay_off(self, reason: str) -> None:
         """`register` refused this engine's KV cache, and the engine runs on without the
@@ -190,23 +233,26 @@ class WorkerSide:
             raise RuntimeError("stay_off after a registration that succeeded")
         self._ranks.switch.turn_off(reason)
 
-    def _check_chunk_bytes(self, registered: int) -> None:
-        """The scheduler looks up values of `VllmLayout.chunk_bytes`: a worker whose chunks
-        had another size would find every one of them a miss."""
-        expected = self.layout.chunk_bytes
+    def _check_bytes(self, registered: int, expected: int, what: str) -> None:
+        """The scheduler looks up values of `VllmLayout.chunk_bytes` (and `state_bytes`): a
+        worker whose values had another size would find every one of them a miss."""
         if expected and registered != expected:
             raise ConnectorRefusal(
-                f"the registered KV cache holds {registered} bytes per chunk where the KV cache config says "
-                f"{expected} ({', '.join(g.descriptor for g in self.layout.groups)}): its chunks would never "
+                f"the registered KV cache holds {registered} bytes per {what} where the KV cache config says "
+                f"{expected} ({', '.join(g.descriptor for g in self.layout.groups)}): its values would never "
                 "match the scheduler's (tell us the model and this line)"
             )
 
     # -- steps --------------------------------------------------------------------------
 
+    def _paths(self) -> list[DataPath]:
+        """The data paths: the chunks', then a hybrid model's states'."""
+        return [p for p in (self._path, self._state_path) if p is not None]
+
     def begin_step(self, meta: KVHarborMetadata) -> None:
         """The step's metadata is bound; its forward pass follows."""
-        if self._path is not None:
-            self._path.begin_step(meta)
+        for path in self._paths():
+            path.begin_step(meta)
         if self._timer is not None:
             if meta.step_flops > 0 and not meta.loads:
                 self._timer.begin()
@@ -218,8 +264,8 @@ class WorkerSide:
             self._path.wait_layer(layer_name)
 
     def save_layer(self, layer_name: str) -> None:
-        if self._path is not None:
-            self._path.save_layer(layer_name)
+        for path in self._paths():
+            path.save_layer(layer_name)
 
     # -- loads -------------------------------------------------------------------
 
@@ -235,8 +281,11 @@ class WorkerSide:
         """
         if not meta.loads or self._path is None or self._loading is not None:
             return
-        self._path.begin_loads()
-        self._loading = _Loading(meta, time.perf_counter(), self._loader.submit(self._restore_all, meta.loads))
+        started = time.perf_counter()
+        for path in self._paths():
+            path.begin_loads()
+        states = self._restore_states(meta.loads)
+        self._loading = _Loading(meta, started, self._loader.submit(self._restore_all, meta.loads, states))
 
     def load(self, meta: KVHarborMetadata) -> None:
         """Restore the step's planned chunks, as far as every rank could (`RankAgreement`).
@@ -259,9 +308,10 @@ class WorkerSide:
             return
         if loading is None:  # No ``handle_preemptions`` before (a vLLM without it): restore now.
             started = time.perf_counter()
-            if self._path is not None and meta.loads:
-                self._path.begin_loads()
-            restored = self._restore_all(meta.loads)
+            for path in self._paths() if meta.loads else ():
+                path.begin_loads()
+            # Too late for a hybrid model's states: vLLM has copied them on already (`_restore_states`).
+            restored = self._restore_all(meta.loads, [t.state is None for t in meta.loads])
         else:
             started, restored = loading.started_s, loading.blocks.result()
         agreed = self._ranks.agree(restored)
@@ -279,12 +329,44 @@ class WorkerSide:
         if meta.loads:
             self._count(loads=1, load_seconds=time.perf_counter() - started, cache_off=int(self._load_link.is_off))
 
-    def _restore_all(self, transfers: Sequence[ChunkTransfer]) -> list[int]:
-        """This rank's restores: per transfer, how many of its leading block positions it filled."""
+    def _restore_states(self, transfers: Sequence[ChunkTransfer]) -> list[bool]:
+        """A hybrid model's states, restored now, on the engine's thread, and waited for: per
+        transfer, whether it has its state (or needs none).
+
+        In ``align`` mode vLLM copies a request's state from the block of its last computed
+        block boundary into the block it runs on (``preprocess_mamba``) after
+        ``handle_preemptions`` (`prepare_load`), before ``start_load_kv``: a state restored
+        later would never be read.
+        """
+        path = self._state_path
+
+        def restore(state: ChunkTransfer | None) -> bool:
+            if state is None:
+                return True
+            held = path is not None and NULL_BLOCK not in (ids[0] for ids in state.block_ids)
+            return held and path is not None and path.load(state) == 1
+
+        restored = [restore(t.state) for t in transfers]
+        if path is not None:
+            path.copy.wait_loads()  # On a GPU the engine's stream waits for them.
+        return restored
+
+    def _restore_all(self, transfers: Sequence[ChunkTransfer], states: Sequence[bool]) -> list[int]:
+        """This rank's restores: per transfer, how many of its leading block positions it
+        filled. ``states``: per transfer, whether its state (if it has one) was restored."""
         path = self._path
         if path is None:
             return [0] * len(transfers)
-        return [path.load(transfer, self._load_cut(transfer, path.copy.chunk_bytes)) for transfer in transfers]
+        return [self._restore(path, transfer, state) for transfer, state in zip(transfers, states, strict=True)]
+
+    def _restore(self, path: DataPath, transfer: ChunkTransfer, has_state: bool) -> int:
+        """One transfer's restore. A hybrid model's chunks are restored all or none, and only
+        with their state: it is the state after the last chunk, and vLLM computing on from
+        an earlier block would find no state there."""
+        if not has_state:
+            return 0
+        restored = path.load(transfer, self._load_cut(transfer, path.copy.chunk_bytes))
+        return restored if transfer.state is None or restored == transfer.blocks else 0
 
     def _load_cut(self, transfer: ChunkTransfer, chunk_bytes: int) -> Callable[[int], bool]:
         """The load-cut policy of one transfer: asked with the chunks restored so far, whether
@@ -326,10 +408,16 @@ class WorkerSide:
                 self._timer.end(meta.step_flops)
         if path is None:
             return
-        parts = path.end_step(meta)
+        self._queue_save(path.end_step(meta), "stored_chunks")
+        if self._state_path is not None:
+            self._queue_save(self._state_path.end_step(meta), "stored_states")
+
+    def _queue_save(self, parts: SaveParts | None, stored_stat: str) -> None:
+        """Hand one data path's save of this step to the saver thread (waiting for its copies
+        where the step must)."""
         if parts is None:
             return
-        job = _SaveJob(parts, path.copy.chunk_bytes, threading.Event(), threading.Event())
+        job = _SaveJob(parts, stored_stat, threading.Event(), threading.Event())
         with self._stats_lock:
             self._saves_pending += 1
         try:
@@ -351,7 +439,7 @@ class WorkerSide:
         while (job := self._saves.get()) is not None:
             started = time.perf_counter()
             parts = job.parts
-            items = [(key, job.chunk_bytes) for key in parts.keys]
+            items = [(key, parts.value_bytes) for key in parts.keys]
             stored = 0
             try:
                 # ``settle`` is the one place after which every filled value's bytes are known
@@ -359,7 +447,7 @@ class WorkerSide:
                 # marks them then, and only then is the step released.
                 in_time = (lambda: not job.gave_up.is_set()) if parts.reads_blocks else None
                 stored = self._save_link.store(
-                    self.fingerprint, items, parts.fill, parts.settle, job.filled.set, in_time, self.namespace
+                    parts.fingerprint, items, parts.fill, parts.settle, job.filled.set, in_time, self.namespace
                 )
             except Exception:
                 # A bug in a copy must not end the saver (every later step would wait for it).
@@ -370,11 +458,11 @@ class WorkerSide:
                 with self._stats_lock:  # Counted out with its stats, in one step's report.
                     self._saves_pending -= 1
                     self._add(
-                        saves=1,
+                        saves=int(job.stored_stat == "stored_chunks"),  # A step's save, not its states'.
                         save_seconds=time.perf_counter() - started,
-                        stored_chunks=stored,
-                        stored_bytes=stored * job.chunk_bytes,
+                        stored_bytes=stored * parts.value_bytes,
                         cache_off=int(self._save_link.is_off),
+                        **{job.stored_stat: stored},
                     )
 
     # -- stats and shutdown ----------------------------------------------------------
@@ -396,8 +484,8 @@ class WorkerSide:
         self._loader.shutdown(wait=True)  # A restore in flight ends before its memory is unmapped.
         self._saves.put(None)
         self._saver.join(timeout=self.config.gateway.request_timeout_ms / 1000 * 2)
-        if self._path is not None:
-            self._path.close()  # Unpin before the links unmap their shared memory.
+        for path in reversed(self._paths()):
+            path.close()  # Unpin before the links unmap their shared memory (the chunks' path owns them).
         self._load_link.close()
         self._save_link.close()
 

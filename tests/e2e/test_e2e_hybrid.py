@@ -1,0 +1,99 @@
+"""A hybrid model (a tiny Qwen3-Next: Gated DeltaNet layers, vLLM's ``MambaSpec`` group,
+beside full attention), and the rules a Mamba-type group brings.
+
+vLLM (``--mamba-cache-mode align``, prefix caching on) keeps a request's recurrent state
+at block boundaries where a step ends, and ends the steps of a prompt at its last block
+boundary. kvharbor stores that state beside the chunk it ends (a state object) and
+restores a prompt only up to a chunk end whose state is stored, the state and the
+attention chunks together: a restarted engine answers as the first one did.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from e2e_harness import Lab, request, tokens
+from test_e2e_bad_input import KVHARBOR_TRANSFER
+
+from tests.support.tiny_model import hybrid_model
+
+pytestmark = pytest.mark.e2e
+
+BLOCK = 640
+"""vLLM raises the attention block size of this model to 640 tokens, so that one
+attention page holds a Gated DeltaNet state; kvharbor's chunk is then one block."""
+LONG = tokens(3000, seed=41)
+HYBRID = {"dtype": "bfloat16", "mamba_cache_mode": "align", "enable_prefix_caching": True, "watermark": 0.02}
+OFF = "kvharbor: KVHARBOR=1, but the connector cannot serve this model, so the engine runs without the external"
+
+
+@pytest.fixture(scope="module")
+def qwen3_next(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return hybrid_model(tiny_model, tmp_path_factory.mktemp("models") / "qwen3-next")
+
+
+def spec(model: Path, llm: dict[str, Any] | None = None, rounds: int = 1) -> dict[str, Any]:
+    return {"model": str(model), "llm": {**HYBRID, **(llm or {})}, "rounds": [[request(LONG, logprobs=True)]] * rounds}
+
+
+def test_a_restarted_engine_restores_a_hybrid_model_state_and_chunks_together(lab: Lab, qwen3_next: Path) -> None:
+    first = lab.run(spec(qwen3_next)).ok()
+    assert "kvharbor: group 0: MambaSpec[" in first.log and "mode=align" in first.log
+    assert "kvharbor: group 1: FullAttentionSpec[" in first.log
+    stored = first.metrics()
+    # The prompt's first step ends at its last block boundary (2,560 tokens): 4 chunks and
+    # the state at the end of the 4th.
+    assert stored["vllm:kvharbor_stored_chunks"] == 4
+    assert stored["vllm:kvharbor_stored_states"] == 1
+    restarted = lab.run(spec(qwen3_next)).ok()
+    [result] = restarted.requests().values()
+    assert result["cached"] == restarted.rounds()[0]["external_hits"] == 4 * BLOCK
+    recomputed = first.requests()["0.0"]
+    assert result["tokens"] == recomputed["tokens"], "the restored state and KV give what recompute gave"
+    # To the bit: the greedy tokens of this tiny model hardly depend on its Gated DeltaNet
+    # layers (a zero state gives the same ones), their log-probabilities do.
+    assert result["logprobs"] == recomputed["logprobs"]
+    metrics = restarted.metrics()
+    assert metrics["vllm:kvharbor_loaded_chunks"] == 4
+    assert metrics["vllm:kvharbor_loaded_states"] == 1
+    assert metrics["vllm:kvharbor_load_errors"] == 0
+
+
+def test_a_hybrid_model_without_a_stored_state_is_recomputed_not_restored(lab: Lab, qwen3_next: Path) -> None:
+    """A prompt that shares only its first chunks with a stored one has no stored state at the
+    end of the shared part (the first prompt's steps ended elsewhere): nothing is restored."""
+    lab.run(spec(qwen3_next)).ok()
+    other = LONG[: 2 * BLOCK] + tokens(1000, seed=42)
+    run = lab.run({"model": str(qwen3_next), "llm": HYBRID, "rounds": [[request(other)]]}).ok()
+    [result] = run.requests().values()
+    assert result["cached"] == 0
+    metrics = run.metrics()
+    assert metrics["vllm:kvharbor_stateless_chunks"] == 2
+    assert metrics["vllm:kvharbor_loaded_chunks"] == 0
+    assert "no Mamba-type state is stored at their end" in run.log
+
+
+@pytest.mark.parametrize(
+    ("llm", "message"),
+    [
+        ({"mamba_cache_mode": "none"}, "with --mamba-cache-mode none: kvharbor stores a state per chunk boundary"),
+        ({"enable_prefix_caching": False}, "without prefix caching: vLLM then keeps no state at block boundaries"),
+    ],
+    ids=["mamba-cache-mode", "prefix-caching"],
+)
+def test_a_hybrid_model_vllm_keeps_no_boundary_states_for_is_refused_by_name(
+    lab: Lab, qwen3_next: Path, llm: dict[str, Any], message: str
+) -> None:
+    named = lab.run(
+        spec(qwen3_next, {**llm, "kv_transfer_config": KVHARBOR_TRANSFER}), lab.env(kvharbor=False)
+    )
+    assert named.returncode != 0
+    assert "kvharbor: the connector refuses to start: Mamba-type group 0 (MambaSpec" in named.log
+    assert message in named.log
+    assert not named.requests()
+    alone = lab.run(spec(qwen3_next, llm)).ok()
+    assert alone.log.count(OFF) == 1 and message in alone.log
+    assert len(alone.requests()["0.0"]["tokens"]) == 8
+    assert alone.metrics()["vllm:kvharbor_cache_off"] == 1
