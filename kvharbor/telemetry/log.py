@@ -38,10 +38,20 @@ def attach_to_engine_log(level: int = logging.INFO) -> None:
     root = logging.getLogger("kvharbor")
     if root.handlers or logging.getLogger().handlers:
         return
-    handler = logging.StreamHandler()
+    handler = _UntilRootHandles()
     handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(message)s", "%m-%d %H:%M:%S"))
     root.addHandler(handler)
     root.setLevel(level)
+
+
+class _UntilRootHandles(logging.StreamHandler):
+    """Writes a line only while the root logger has no handler: where the host configures
+    logging later (a library calling ``logging.basicConfig``, as one in a hybrid model's
+    start does), the line propagates there, and is not written twice."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not logging.getLogger().handlers:
+            super().emit(record)
 
 
 @dataclass(slots=True)

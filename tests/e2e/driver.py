@@ -74,7 +74,8 @@ def report(tag: str, output: Any) -> None:
         "finished": bool(output.finished),
     }
     if completion.logprobs:
-        record["logprobs"] = [step[t].logprob for step, t in zip(completion.logprobs, completion.token_ids, strict=True)]
+        chosen = zip(completion.logprobs, completion.token_ids, strict=True)
+        record["logprobs"] = [step[token].logprob for step, token in chosen]
     emit(record)
 
 
@@ -85,7 +86,9 @@ def run_rounds(llm: Any, rounds: list[list[dict[str, Any]]], between: Callable[[
     for number, requests in enumerate(rounds):
         before = metrics(llm)
         params = [
-            SamplingParams(max_tokens=r.get("max_tokens", 8), temperature=0.0, logprobs=0 if r.get("logprobs") else None)
+            SamplingParams(
+                max_tokens=r.get("max_tokens", 8), temperature=0.0, logprobs=0 if r.get("logprobs") else None
+            )
             for r in requests
         ]
         outputs = llm.generate([prompt_of(r) for r in requests], params, use_tqdm=False)

@@ -51,10 +51,11 @@ def test_a_restarted_engine_restores_a_hybrid_model_state_and_chunks_together(la
     [result] = restarted.requests().values()
     assert result["cached"] == restarted.rounds()[0]["external_hits"] == 4 * BLOCK
     recomputed = first.requests()["0.0"]
+    # A restore that left the state out answers otherwise from the first token
+    # (`hybrid_model` makes the answer depend on it).
     assert result["tokens"] == recomputed["tokens"], "the restored state and KV give what recompute gave"
-    # To the bit: the greedy tokens of this tiny model hardly depend on its Gated DeltaNet
-    # layers (a zero state gives the same ones), their log-probabilities do.
-    assert result["logprobs"] == recomputed["logprobs"]
+    # Equal to the bit in every run seen; a tolerance all the same, not a claim about bf16 kernels.
+    assert result["logprobs"] == pytest.approx(recomputed["logprobs"], abs=1e-3)
     metrics = restarted.metrics()
     assert metrics["vllm:kvharbor_loaded_chunks"] == 4
     assert metrics["vllm:kvharbor_loaded_states"] == 1
@@ -75,25 +76,19 @@ def test_a_hybrid_model_without_a_stored_state_is_recomputed_not_restored(lab: L
     assert "no Mamba-type state is stored at their end" in run.log
 
 
-@pytest.mark.parametrize(
-    ("llm", "message"),
-    [
-        ({"mamba_cache_mode": "none"}, "with --mamba-cache-mode none: kvharbor stores a state per chunk boundary"),
-        ({"enable_prefix_caching": False}, "without prefix caching: vLLM then keeps no state at block boundaries"),
-    ],
-    ids=["mamba-cache-mode", "prefix-caching"],
-)
-def test_a_hybrid_model_vllm_keeps_no_boundary_states_for_is_refused_by_name(
-    lab: Lab, qwen3_next: Path, llm: dict[str, Any], message: str
-) -> None:
+def test_a_hybrid_model_without_prefix_caching_is_refused_by_name(lab: Lab, qwen3_next: Path) -> None:
+    """vLLM keeps no states at block boundaries then. (Another ``--mamba-cache-mode`` than align
+    cannot be asked of vLLM 0.32 with prefix caching on: it turns none into align; its refusal
+    is a unit test.)"""
+    message = "without prefix caching: vLLM then keeps no state at block boundaries to store"
+    no_prefix_caching = {"enable_prefix_caching": False}
     named = lab.run(
-        spec(qwen3_next, {**llm, "kv_transfer_config": KVHARBOR_TRANSFER}), lab.env(kvharbor=False)
+        spec(qwen3_next, {**no_prefix_caching, "kv_transfer_config": KVHARBOR_TRANSFER}), lab.env(kvharbor=False)
     )
     assert named.returncode != 0
-    assert "kvharbor: the connector refuses to start: Mamba-type group 0 (MambaSpec" in named.log
-    assert message in named.log
+    assert "kvharbor: the connector refuses to start: Mamba-type group 0 (MambaSpec) " + message in named.log
     assert not named.requests()
-    alone = lab.run(spec(qwen3_next, llm)).ok()
+    alone = lab.run(spec(qwen3_next, no_prefix_caching)).ok()
     assert alone.log.count(OFF) == 1 and message in alone.log
     assert len(alone.requests()["0.0"]["tokens"]) == 8
     assert alone.metrics()["vllm:kvharbor_cache_off"] == 1

@@ -32,6 +32,7 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    MambaSpec,
     SlidingWindowSpec,
 )
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -77,12 +78,15 @@ class SchedulerRig:
         engine: dict[str, Any] | None = None,
         sliding_window: int | None = None,
         hybrid: bool = False,
+        mamba: bool = False,
         gateway: RealGateway,
     ) -> None:
         """``sliding_window``: the KV cache is one sliding-window group of that many tokens
         (vLLM's scheduler then frees blocks out of the window, and pads with its null block);
         with ``hybrid``, that group holds the odd layers only, beside a full-attention group
-        of the even ones (vLLM's hybrid allocator, each group with blocks of its own)."""
+        of the even ones (vLLM's hybrid allocator, each group with blocks of its own). With
+        ``mamba``, the even layers are a Mamba-type group instead (``--mamba-cache-mode align``,
+        as vLLM's scheduler then plans its steps), beside a full-attention group of the odd ones."""
         extra = {"engine": engine or {}}
         transfer = KVTransferConfig(
             kv_connector="KVHarborConnector",
@@ -102,6 +106,9 @@ class SchedulerRig:
         )
         self.vllm_config = args.create_engine_config()
         assert self.vllm_config.cache_config.block_size == BLOCK
+        if mamba:
+            self.vllm_config.cache_config.mamba_cache_mode = "align"
+            self.vllm_config.scheduler_config.watermark = 0.02  # int(0.02 x 64) = 1 block of reserve.
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
         layers = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
         shape: dict[str, Any] = {"block_size": BLOCK, "num_kv_heads": 2, "head_size": 64, "dtype": torch.float32}
@@ -114,6 +121,13 @@ class SchedulerRig:
             if hybrid
             else [KVCacheGroupSpec(layers, spec)]
         )
+        if mamba:
+            states = MambaSpec(
+                block_size=BLOCK, shapes=((3, 64), (2, 16, 16)), dtypes=(torch.float32, torch.float32),
+                mamba_cache_mode="align",
+            )  # fmt: skip
+            mixers = [f"model.layers.{i}.linear_attn" for i in range(0, 4, 2)]
+            groups = [KVCacheGroupSpec(mixers, states), KVCacheGroupSpec(layers[1::2], full)]
         self.kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
         self.gateway = gateway
 
@@ -156,6 +170,14 @@ class SchedulerRig:
         size, under its fingerprint; returns how many were stored (see `RealGateway.hold`)."""
         return self.gateway.hold(keys, bytes(self.layout.chunk_bytes), fingerprint=self.layout.digests[0])
 
+    def state_keys(self, tokens: list[int]) -> list[bytes]:
+        """Rank 0's keys of the states at the chunk ends of ``tokens`` (a Mamba-type rig)."""
+        return [bytes(k) for k in self.layout.state_keys(tokens, None)[0]]
+
+    def hold_states(self, keys: list[bytes]) -> int:
+        """Store states under ``keys`` as a worker of this layout would (`hold`)."""
+        return self.gateway.hold(keys, bytes(self.layout.state_bytes), fingerprint=self.layout.state_digests[0])
+
     def request(self, req_id: str, tokens: list[int], max_tokens: int = 4, salt: str | None = None) -> Request:
         return Request(
             req_id,
@@ -189,6 +211,8 @@ class SchedulerRig:
             keys = [bytes(key) for key in save.keys[0]]
             stored = self.hold(keys)
             assert stored == len(keys) or save.request_id in self.failed_loads, "a chunk is saved a second time"
+            if save.state is not None:
+                self.hold_states([bytes(save.state.keys[0][0])])
         req_ids = list(output.num_scheduled_tokens)
         sampled = []
         for req_id in req_ids:

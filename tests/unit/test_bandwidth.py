@@ -238,10 +238,11 @@ class FakeLink:
 def scheduler(hits: int, plan: LoadPlanner | None, in_ram: bool = True) -> Any:
     from kvharbor.cache.keys import LayoutFingerprint
     from kvharbor.config import Config
-    from kvharbor.connector.vllm.layout import VllmLayout
+    from kvharbor.connector.vllm.layout import CacheGroup, VllmLayout
     from kvharbor.connector.vllm.scheduler import SchedulerSide
 
     fingerprint = LayoutFingerprint(model_id="m", chunk_size=CHUNK_TOKENS)
+    group = CacheGroup(0, "FullAttentionSpec", ("layers.0",), 4096, "FullAttentionSpec[1]", 16)
     layout = VllmLayout(
         chunk_size=CHUNK_TOKENS,
         block_size=16,
@@ -249,7 +250,7 @@ def scheduler(hits: int, plan: LoadPlanner | None, in_ram: bool = True) -> Any:
         pp_size=1,
         fingerprints=(fingerprint,),
         digests=(fingerprint.digest(),),
-        groups=(),
+        groups=(group,),
     )
     return SchedulerSide(layout, Config(), FakeLink(hits, in_ram), plan)  # type: ignore[arg-type]
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from vllm.v1.kv_cache_interface import KVCacheGroupSpec, MambaSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, KVCacheGroupSpec, MambaSpec, SlidingWindowSpec
 
 from kvharbor.config import load_config
 from kvharbor.connector.vllm.layout import ConnectorRefusal, build_layout, check_mamba_reserve
@@ -84,16 +84,78 @@ def test_a_chunk_size_that_was_set_is_kept_or_refused() -> None:
 
 
 def test_a_cache_it_cannot_exchange_is_refused_by_name_before_any_other_advice() -> None:
-    # No admission reserve either: a watermark to set would not let this model start.
+    # Not in align mode either: a flag to set would not let this model start.
     vllm_config, kv_cache_config = engine(**{"scheduler_config.watermark": 0.0})
-    mamba = MambaSpec(block_size=128, shapes=((4, 64),), dtypes=(torch.float32,))
-    kv_cache_config.kv_cache_groups.append(KVCacheGroupSpec(["model.layers.4.mixer"], mamba))
+    local = ChunkedLocalAttentionSpec(
+        block_size=128, num_kv_heads=2, head_size=64, dtype=torch.float32, attention_chunk_size=512
+    )
+    kv_cache_config.kv_cache_groups.append(KVCacheGroupSpec(["model.layers.4.attn"], local))
+    kv_cache_config.kv_cache_groups.append(KVCacheGroupSpec(["model.layers.5.mixer"], MAMBA))
     with pytest.raises(ConnectorRefusal) as refusal:
         build_layout(vllm_config, kv_cache_config, load_config(environ={}))
     message = str(refusal.value)
-    assert "1 of 2 cache group(s)" in message
-    assert "MambaSpec (layer model.layers.4.mixer)" in message
-    assert "watermark" not in message
+    assert "1 of 3 cache group(s)" in message
+    assert "ChunkedLocalAttentionSpec (layer model.layers.4.attn)" in message
+    assert "mamba-cache-mode" not in message and "watermark" not in message
+
+
+MAMBA = MambaSpec(block_size=128, shapes=((3, 64), (2, 16, 16)), dtypes=(torch.bfloat16, torch.float32))
+"""A Mamba-type state of 3 x 64 x 2 + 2 x 16 x 16 x 4 = 2,432 bytes per layer."""
+
+
+def mamba_engine(**changes: Any) -> tuple[Any, Any]:
+    """An engine with a Mamba-type group (2 layers) beside its attention group, in align mode."""
+    settings = {"cache_config.mamba_cache_mode": "align", "cache_config.enable_prefix_caching": True, **changes}
+    vllm_config, kv_cache_config = engine(**settings)
+    kv_cache_config.kv_cache_groups.insert(0, KVCacheGroupSpec(["layers.0.mixer", "layers.2.mixer"], MAMBA))
+    return vllm_config, kv_cache_config
+
+
+def test_a_hybrid_model_stores_attention_chunks_and_a_state_object_of_its_own() -> None:
+    layout = build_layout(*mamba_engine(), load_config(environ={}))
+    assert [g.holds_state for g in layout.groups] == [True, False]
+    assert layout.state_bytes == 2 * 2432
+    plain = build_layout(*engine(**{"cache_config.enable_prefix_caching": True}), load_config(environ={}))
+    assert layout.chunk_bytes == plain.chunk_bytes, "a chunk object holds the attention groups' pages only"
+    # The state's layout is part of both fingerprints; a state's keys are never a chunk's.
+    assert layout.digests != plain.digests
+    assert len(set(layout.digests + layout.state_digests)) == 2
+    tokens = list(range(600))
+    assert layout.keys(tokens, None)[0] != layout.state_keys(tokens, None)[0]
+    assert len(layout.state_keys(tokens, None)[0]) == len(layout.keys(tokens, None)[0]) == 2
+    assert not plain.state_digests and plain.state_keys(tokens, None) == []
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (
+            {"cache_config.mamba_cache_mode": "none"},
+            "Mamba-type group 0 (MambaSpec, layer layers.0.mixer) with --mamba-cache-mode none: kvharbor stores a "
+            "state per chunk boundary, which vLLM keeps only in align mode; start vLLM with --mamba-cache-mode align",
+        ),
+        (
+            {"cache_config.enable_prefix_caching": False},
+            "Mamba-type group 0 (MambaSpec) without prefix caching: vLLM then keeps no state at block boundaries to "
+            "store; start vLLM with --enable-prefix-caching",
+        ),
+        ({"scheduler_config.watermark": 0.0}, "Start vLLM with --watermark=0.02 or more"),
+    ],
+    ids=["align-mode", "prefix-caching", "admission-reserve"],
+)
+def test_a_hybrid_model_vllm_keeps_no_states_for_is_refused_naming_the_flag(
+    changes: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ConnectorRefusal) as refusal:
+        build_layout(*mamba_engine(**changes), load_config(environ={}))
+    assert message in str(refusal.value)
+
+
+def test_a_model_of_states_only_is_refused() -> None:
+    vllm_config, kv_cache_config = mamba_engine()
+    kv_cache_config.kv_cache_groups = kv_cache_config.kv_cache_groups[:1]
+    with pytest.raises(ConnectorRefusal, match="every KV cache group holds a Mamba-type state"):
+        build_layout(vllm_config, kv_cache_config, load_config(environ={}))
 
 
 def window_engine(window: int, **changes: Any) -> tuple[Any, Any]:

@@ -16,7 +16,7 @@ from kvharbor.connector.vllm.chunks import (
 )
 from kvharbor.connector.vllm.layout import ConnectorRefusal
 from kvharbor.connector.vllm.metadata import ChunkTransfer
-from kvharbor.connector.vllm.pages import PageLayers, block_first, block_major
+from kvharbor.connector.vllm.pages import PageLayers, block_first, block_major, state_view
 
 NUM_BLOCKS, HEADS, BLOCK, HEAD_DIM, LAYERS = 12, 2, 16, 8, 3
 
@@ -142,3 +142,29 @@ def test_save_planning_flattens_every_transfer_with_the_ranks_keys() -> None:
 def test_contiguous_runs() -> None:
     assert list(contiguous_runs([0, 10, 20, 40, 50, 100], 10)) == [(0, 3, 0), (3, 2, 40), (5, 1, 100)]
     assert list(contiguous_runs([], 10)) == []
+
+
+def test_a_mamba_layers_state_parts_are_seen_as_the_bytes_of_each_blocks_state() -> None:
+    """vLLM 0.26's GPU runner registers a Mamba-type layer as one tensor per state part, each
+    over the same pages (`_reshape_kv_cache_tensors`): the conv state, then the SSM state."""
+    blocks, page = 5, 1024
+    raw = torch.arange(blocks * page, dtype=torch.int32).to(torch.uint8)
+    conv = torch.as_strided(raw.view(torch.bfloat16), (blocks, 3, 16), (page // 2, 16, 1), 0)
+    ssm = torch.as_strided(raw.view(torch.float32), (blocks, 2, 8, 8), (page // 4, 64, 8, 1), 3 * 16 * 2 // 4)
+    view = state_view([conv, ssm], blocks)
+    state = 3 * 16 * 2 + 2 * 8 * 8 * 4
+    assert tuple(view.shape) == (blocks, state)
+    for block in range(blocks):
+        assert torch.equal(view[block], raw[block * page : block * page + state])
+    view[2].fill_(7)  # A view, not a copy: a restore writes the cache itself.
+    assert torch.all(conv[2].view(torch.uint8) == 7) and torch.all(ssm[2].contiguous().view(torch.uint8) == 7)
+    one = raw.view(blocks, page)[:, :state]
+    assert state_view(one, blocks) is one  # The CPU build's one tensor is taken as it is.
+
+
+def test_state_parts_that_do_not_lie_back_to_back_are_refused() -> None:
+    raw = torch.zeros(4 * 512, dtype=torch.uint8)
+    first = torch.as_strided(raw, (4, 16), (512, 1), 0)
+    gap = torch.as_strided(raw, (4, 16), (512, 1), 32)
+    with pytest.raises(ConnectorRefusal, match="do not lie back to back in pages of 512 B"):
+        state_view([first, gap], 4)

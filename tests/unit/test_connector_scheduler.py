@@ -309,3 +309,52 @@ def test_a_hybrid_request_moves_every_groups_blocks_and_the_window_groups_only_i
     assert len(full) == len(window) == 10 and NULL_BLOCK not in full
     assert leading_nulls(window) == 6 and NULL_BLOCK not in window[6:]
     assert unread_chunks(restart.layout.blocks_per_chunk, load.skip_blocks, load.block_ids) == 0
+
+
+# -- a hybrid model: a Mamba-type group beside full attention --------------------------
+
+
+@pytest.fixture
+def mamba_rig(tiny_model: Path, real_gateway: RealGateway) -> SchedulerRig:
+    """Chunks of one block, as kvharbor chooses for hybrid models (their blocks are larger)."""
+    return SchedulerRig(tiny_model, gateway=real_gateway, mamba=True, engine={"chunk_size": BLOCK})
+
+
+def test_a_hybrid_prompt_stores_the_state_where_its_step_ends_on_a_chunk_end(mamba_rig: SchedulerRig) -> None:
+    tokens = prompt(1001)
+    mamba_rig.add("r", tokens)
+    steps = mamba_rig.run()
+    # vLLM ends the first step at the prompt's last block boundary (896): 7 chunks, and
+    # the state there, from the Mamba group's block at index 6; the next step completes no chunk.
+    assert [s.scheduled("r") for s in steps[:2]] == [896, 105]
+    [save] = steps[0].meta.saves
+    assert [bytes(k) for k in save.keys[0]] == mamba_rig.keys(tokens)[:7]
+    mamba_ids, attention_ids = (list(ids) for ids in steps[0].new_request("r").block_ids)
+    assert save.block_ids == [attention_ids[:7]], "a chunk object holds the attention group's blocks"
+    assert save.state is not None
+    assert [bytes(k) for k in save.state.keys[0]] == [mamba_rig.state_keys(tokens)[6]]
+    assert save.state.block_ids == [[mamba_ids[6]]] and mamba_ids[6] != NULL_BLOCK
+    assert all(not s.meta.saves for s in steps[1:])
+
+
+def test_a_hybrid_restore_ends_at_the_last_chunk_with_a_stored_state(mamba_rig: SchedulerRig) -> None:
+    tokens = prompt(1001)
+    mamba_rig.hold(mamba_rig.keys(tokens))
+    mamba_rig.hold_states([mamba_rig.state_keys(tokens)[i] for i in (2, 4)])
+    request = mamba_rig.add("r", tokens)
+    # Stored: 7 chunks (the bound), states after chunks 3 and 5: the restore ends after chunk 5.
+    step = mamba_rig.step()
+    [load] = step.meta.loads
+    assert request.num_computed_tokens - step.scheduled("r") == 5 * BLOCK
+    assert [bytes(k) for k in load.keys[0]] == mamba_rig.keys(tokens)[:5]
+    assert load.state is not None and [bytes(k) for k in load.state.keys[0]] == [mamba_rig.state_keys(tokens)[4]]
+    mamba_ids = list(step.new_request("r").block_ids[0])
+    assert load.state.block_ids == [[mamba_ids[4]]] and mamba_ids[4] != NULL_BLOCK
+    assert step.stats["stateless_chunks"] == 2 and step.stats["hit_chunks"] == 5
+
+
+def test_a_hybrid_prompt_without_a_stored_state_is_not_restored(mamba_rig: SchedulerRig) -> None:
+    tokens = prompt(1001)
+    mamba_rig.hold(mamba_rig.keys(tokens))
+    assert mamba_rig.side.get_num_new_matched_tokens(mamba_rig.request("r", tokens), 0) == (0, False)
+    assert mamba_rig.side.counters.stateless_chunks == 7

@@ -141,3 +141,28 @@ def test_a_file_tier_full_of_damaged_chunks_says_so_once_and_counts_them(
     assert said[0].startswith(f"kvharbor: corrupt chunk {keys[0].hex()} in tier 'files' ("), said
     assert said[0].endswith(") -> treated as miss"), said
     assert tier.counters.corrupt == len(keys), "each damaged chunk is counted, though said once"
+
+
+def test_kvharbor_lines_in_an_engine_are_written_once_also_when_the_host_configures_logging_later(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The engine's own handler shows ``kvharbor.*`` lines until the host process gives the root
+    logger a handler (a library calling ``logging.basicConfig``, as one in a hybrid model's
+    start does): from then on they go there, and are not written twice."""
+    from kvharbor.telemetry.log import attach_to_engine_log
+
+    kvharbor_log, root = logging.getLogger("kvharbor"), logging.getLogger()
+    saved = (kvharbor_log.handlers[:], kvharbor_log.level, root.handlers[:])
+    kvharbor_log.handlers, root.handlers = [], []
+    try:
+        attach_to_engine_log()
+        logging.getLogger("kvharbor.test").warning("kvharbor: before")
+        later = logging.StreamHandler()
+        later.setFormatter(logging.Formatter("ROOT %(message)s"))
+        root.addHandler(later)
+        logging.getLogger("kvharbor.test").warning("kvharbor: after")
+    finally:
+        kvharbor_log.handlers, kvharbor_log.level, root.handlers = saved
+    err = capsys.readouterr().err
+    assert err.count("kvharbor: before") == 1
+    assert err.count("kvharbor: after") == 1 and "ROOT kvharbor: after" in err

@@ -197,17 +197,19 @@ def check_state_groups(groups: Sequence[CacheGroup], vllm_config: Any, num_gpu_b
             "state together with the attention KV of the same tokens, and this model has none"
         )
     cache = vllm_config.cache_config
+    # First: without prefix caching vLLM also leaves the mode at none (0.32 turns none into
+    # align where prefix caching is on; 0.26 has an "all" mode beside them).
+    if not getattr(cache, "enable_prefix_caching", False):
+        raise ConnectorRefusal(
+            f"Mamba-type group {first.index} ({first.kind}) without prefix caching: vLLM then keeps no state at "
+            "block boundaries to store; start vLLM with --enable-prefix-caching"
+        )
     mode = getattr(cache, "mamba_cache_mode", None)
     if mode != "align":
         raise ConnectorRefusal(
             f"Mamba-type group {first.index} ({first.kind}, layer {first.layer_names[0]}) with --mamba-cache-mode "
             f"{mode}: kvharbor stores a state per chunk boundary, which vLLM keeps only in align mode; start vLLM "
             "with --mamba-cache-mode align"
-        )
-    if not getattr(cache, "enable_prefix_caching", False):
-        raise ConnectorRefusal(
-            f"Mamba-type group {first.index} ({first.kind}) without prefix caching: vLLM then keeps no state at "
-            "block boundaries to store; start vLLM with --enable-prefix-caching"
         )
     watermark = float(getattr(vllm_config.scheduler_config, "watermark", 0.0) or 0.0)
     check_mamba_reserve(len(mamba), watermark, num_gpu_blocks)

@@ -76,6 +76,42 @@ def block_major(tensor: torch.Tensor, num_blocks: int) -> torch.Tensor:
     return view.as_strided((num_blocks, *shape), (view.stride(0), *strides))
 
 
+KVCache = torch.Tensor | Sequence[torch.Tensor]
+"""What vLLM registers for a layer: one tensor, or (a Mamba-type layer on vLLM 0.26's GPU
+runner) one tensor per part of its state."""
+
+
+def state_view(cache: KVCache, num_blocks: int) -> torch.Tensor:
+    """A Mamba-type layer's cache as one tensor indexed by block first. vLLM's CPU build
+    registers one int8 tensor ``(num_blocks, ..., state bytes)``, returned as it is; its GPU
+    runner (0.26) one tensor per state part over the same pages (the conv state, then the SSM
+    state, back to back in each block's page), seen here as ``(num_blocks, state bytes)``
+    bytes. `ConnectorRefusal` where the parts do not lie so."""
+    if isinstance(cache, torch.Tensor):
+        return cache
+    parts = list(cache)
+    first = parts[0]
+    page_bytes = first.stride(0) * first.element_size()
+    start = end = first.storage_offset() * first.element_size()
+    for part in parts:
+        laid_out = (
+            part.dim() >= 1
+            and part.shape[0] == num_blocks
+            and part.stride(0) * part.element_size() == page_bytes
+            and part.storage_offset() * part.element_size() == end
+            and part.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+            and part[0].is_contiguous()
+        )
+        if not laid_out:
+            raise ConnectorRefusal(
+                f"a Mamba-type layer's state parts {[tuple(p.shape) for p in parts]} do not lie back to back in "
+                f"pages of {page_bytes} B (tell us the model and this line)"
+            )
+        end += part[0].numel() * part.element_size()
+    view = torch.empty(0, dtype=torch.uint8, device=first.device)
+    return view.set_(first.untyped_storage(), start, (num_blocks, end - start), (page_bytes, 1))
+
+
 @dataclass(frozen=True, slots=True)
 class PageLayers:
     """The cache's layers as ``(num_blocks, *page_shape)`` views, all of one page shape and dtype."""

@@ -54,6 +54,8 @@ class _Request:
     """Per KV cache group, the request's blocks (`chunks.GroupBlocks`); empty until scheduled."""
     saved_chunks: int = 0
     """Chunks already planned for saving (or known to be stored)."""
+    state_chunks: int = 0
+    """A hybrid model's chunks whose last one's state is stored or planned for saving."""
     local_tokens: int = 0
     """vLLM's own prefix-cache hit at the last admission question: a load starts there."""
     load: ChunkTransfer | None = None
@@ -177,7 +179,9 @@ class SchedulerSide:
         self.counters.lookup_chunks += len(state.keys[0])
         hits, resident = found.hits // ranks, found.resident // ranks
         if state.state_keys:
+            state.saved_chunks = max(state.saved_chunks, min(hits, len(state.keys[0])))  # Stored: never re-saved.
             hits = self._state_end(state, hits, num_tokens, num_computed_tokens // size)
+            state.state_chunks = max(state.state_chunks, hits)
             resident = hits if resident >= hits else 0  # A shorter part in RAM ends at no state.
         state.resident_chunks = resident
         # Chunks vLLM holds itself are not loaded: reading them back would be wasted.
@@ -575,15 +579,17 @@ class SchedulerSide:
         return state
 
     def _plan_save(self, meta: KVHarborMetadata, req_id: str, state: _Request, computed_after: int) -> None:
-        """Save the prompt chunks complete after this step that are not saved yet."""
+        """Save the prompt chunks complete after this step that are not saved yet, and a
+        hybrid model's state where the step ends on a chunk end whose state is not."""
         per_chunk = self.layout.blocks_per_chunk
         done = min(computed_after, state.prompt_tokens) // self.layout.chunk_size
         kv_blocks = self._kv_blocks(state.block_ids) if state.block_ids else []
         held = len(kv_blocks[0]) if kv_blocks else 0
         done = min(done, held // per_chunk, len(state.keys[0]))
-        if done <= state.saved_chunks:
+        state_save = self._state_save(req_id, state, computed_after, done)
+        if done <= state.saved_chunks and state_save is None:
             return
-        first = state.saved_chunks
+        first = min(state.saved_chunks, done)
         # Null blocks (they lead) are out of a sliding window: vLLM freed them, nothing is left
         # to save there. `check_sliding_window` keeps a step's new chunks clear of them.
         nulls = max(leading_nulls(ids) for ids in span(kv_blocks, first * per_chunk, done * per_chunk))
@@ -597,13 +603,8 @@ class SchedulerSide:
             )
             first += skipped
             state.saved_chunks = first
-            if first >= done:
+            if first >= done and state_save is None:
                 return
-        # The step ends on its last chunk's end: vLLM's running state is the state there.
-        ends_on_chunk = state.state_keys and computed_after == done * self.layout.chunk_size
-        state_save = self._state_transfer(req_id, state, state.block_ids, done) if ends_on_chunk else None
-        if state_save is not None and NULL_BLOCK in (ids[0] for ids in state_save.block_ids):
-            state_save = None  # vLLM holds no state there (not seen): nothing to store.
         meta.saves.append(
             ChunkTransfer(
                 request_id=req_id,
@@ -613,7 +614,20 @@ class SchedulerSide:
                 state=state_save,
             )
         )
-        state.saved_chunks = done
+        state.saved_chunks = max(state.saved_chunks, done)
+
+    def _state_save(self, req_id: str, state: _Request, computed_after: int, done: int) -> ChunkTransfer | None:
+        """A hybrid model's state to store after this step: where the step ends on the end of
+        chunk ``done - 1`` (vLLM's running state is then the state there) and no state is
+        stored there or later. Chunks stored already do not stop it: a prompt recomputed
+        for want of a state stores the one it lacked."""
+        if not state.state_keys or done <= state.state_chunks or computed_after != done * self.layout.chunk_size:
+            return None
+        save = self._state_transfer(req_id, state, state.block_ids, done)
+        if NULL_BLOCK in (ids[0] for ids in save.block_ids):
+            return None  # vLLM holds no state there (not seen): nothing to store.
+        state.state_chunks = done
+        return save
 
 
 def _resumed(cached: Any) -> set[str]:

@@ -68,7 +68,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -86,6 +86,7 @@ from kvharbor.connector.vllm.device_copy import DeviceCopy
 from kvharbor.connector.vllm.host_copy import HostCopy
 from kvharbor.connector.vllm.layout import CacheGroup, ConnectorRefusal, VllmLayout
 from kvharbor.connector.vllm.metadata import ChunkTransfer, KVHarborMetadata
+from kvharbor.connector.vllm.pages import KVCache, state_view
 from kvharbor.connector.vllm.pinning import cuda_host_register
 from kvharbor.connector.vllm.stats import empty
 from kvharbor.connector.vllm.timing import StepTimer
@@ -113,8 +114,11 @@ class _Loading:
 
     meta: KVHarborMetadata
     started_s: float
-    blocks: Future[list[int]]
-    """Per transfer of ``meta.loads``, the leading blocks this rank filled."""
+    blocks: Future[list[int]] | None
+    """Per transfer of ``meta.loads``, the leading blocks this rank filled; None where the
+    chunks are restored only in `WorkerSide.load` (a hybrid model's)."""
+    states: list[bool]
+    """Per transfer, whether its state (if it has one) was restored."""
 
 
 class WorkerSide:
@@ -154,18 +158,26 @@ class WorkerSide:
         self._loading: _Loading | None = None
         """Set from `prepare_load` until the step's `load` takes it; engine thread only."""
 
-    def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
+    def register(self, registered: Mapping[str, KVCache], num_blocks: int) -> None:
         layout = self.layout
-        group_of = dict(zip(kv_caches, layout.groups_of(list(kv_caches)), strict=True))
-        kv_names = [n for n in kv_caches if group_of[n] in {g.index for g in layout.kv_groups}]
-        state_names = [n for n in kv_caches if n not in kv_names]
+        group_of = dict(zip(registered, layout.groups_of(list(registered)), strict=True))
+        kv_names = [n for n in registered if group_of[n] in {g.index for g in layout.kv_groups}]
+        state_names = [n for n in registered if n not in kv_names]
+        kv_caches: dict[str, torch.Tensor] = {}
+        for name, cache in registered.items():
+            if name in state_names:
+                kv_caches[name] = state_view(cache, num_blocks)
+            elif isinstance(cache, torch.Tensor):
+                kv_caches[name] = cache
+            else:
+                raise ConnectorRefusal(f"attention layer {name}: its KV cache was registered as {len(cache)} tensors")
         on_gpu = kv_caches[kv_names[0]].device.type == "cuda"
         copy, names = self._page_copy(kv_caches, kv_names, group_of, layout.kv_groups, layout.blocks_per_chunk,
                                       num_blocks, on_gpu)  # fmt: skip
         self._check_bytes(copy.chunk_bytes, layout.chunk_bytes, "chunk")
         _log.info(
             "kvharbor: %d %scache tensors registered (rank %d, page %d B, %.2f MiB per %d-token chunk; layout %s)",
-            len(kv_caches), "GPU " if on_gpu else "", self.rank, copy.pages.page_bytes, copy.chunk_bytes / 2**20,
+            len(kv_names), "GPU " if on_gpu else "", self.rank, copy.pages.page_bytes, copy.chunk_bytes / 2**20,
             self.layout.chunk_size, self.layout.fingerprints[self.rank].short(),
         )  # fmt: skip
         engine = self.config.engine
@@ -285,7 +297,12 @@ class WorkerSide:
         for path in self._paths():
             path.begin_loads()
         states = self._restore_states(meta.loads)
-        self._loading = _Loading(meta, started, self._loader.submit(self._restore_all, meta.loads, states))
+        if self._state_path is not None:
+            # vLLM zeroes a hybrid model's new attention blocks after this call (its runner's
+            # ``_update_states``: ``new_block_ids_to_zero``): its chunks are restored in `load`.
+            self._loading = _Loading(meta, started, None, states)
+            return
+        self._loading = _Loading(meta, started, self._loader.submit(self._restore_all, meta.loads, states), states)
 
     def load(self, meta: KVHarborMetadata) -> None:
         """Restore the step's planned chunks, as far as every rank could (`RankAgreement`).
@@ -302,7 +319,8 @@ class WorkerSide:
         if loading is not None and loading.meta is not meta:
             # Started for a step that never came to its forward pass (not seen with vLLM
             # 0.26-0.32): its blocks were that step's; wait, so no copy outlives the step.
-            loading.blocks.result()
+            if loading.blocks is not None:
+                loading.blocks.result()
             loading = None
         if not meta.loads and not meta.cache_off:
             return
@@ -312,6 +330,8 @@ class WorkerSide:
                 path.begin_loads()
             # Too late for a hybrid model's states: vLLM has copied them on already (`_restore_states`).
             restored = self._restore_all(meta.loads, [t.state is None for t in meta.loads])
+        elif loading.blocks is None:
+            started, restored = loading.started_s, self._restore_all(meta.loads, loading.states)
         else:
             started, restored = loading.started_s, loading.blocks.result()
         agreed = self._ranks.agree(restored)
@@ -365,7 +385,10 @@ class WorkerSide:
         an earlier block would find no state there."""
         if not has_state:
             return 0
-        restored = path.load(transfer, self._load_cut(transfer, path.copy.chunk_bytes))
+        # With several cache groups vLLM 0.26-0.32 cannot recompute blocks a load did not fill
+        # (its scheduler raises for invalid blocks of several groups): such a load is not cut.
+        cut = self._load_cut(transfer, path.copy.chunk_bytes) if len(self.layout.groups) == 1 else None
+        restored = path.load(transfer, cut)
         return restored if transfer.state is None or restored == transfer.blocks else 0
 
     def _load_cut(self, transfer: ChunkTransfer, chunk_bytes: int) -> Callable[[int], bool]:
