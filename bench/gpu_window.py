@@ -8,7 +8,11 @@ whose every layer attends to ``--window`` tokens, `tests.support.tiny_model`); w
 through ``load_format="dummy"``: 128 KiB of KV per token) and answer one token; ``hybrid-7b``
 is the same shape as a Llama whose even layers attend to the window and odd ones to all
 (Gemma-style ``layer_types``: vLLM's hybrid allocator gives each kind a cache group with
-blocks of its own). ``--cases`` picks some of the cases by name. Then for each
+blocks of its own). With ``--shape gdn``, ``gdn`` is a Qwen3-Next-style hybrid (24 layers, three
+Gated DeltaNet ones to each full-attention one, 16 experts, bf16, random weights; vLLM's
+``--mamba-cache-mode align``), beside ``full-gdn``, a Llama of its attention shape in every
+layer (2 KV heads of 256): the two log the bytes of a chunk and of a state (kvharbor's start
+lines). ``--cases`` picks some of the cases by name. Then for each
 runs two engine processes one after the other with ``KVHARBOR=1`` and the default embedded
 gateway (which lingers between them, holding its RAM tier): the first answers the prompt
 cold, the second answers it again; each then answers it once more with vLLM's own prefix
@@ -74,12 +78,66 @@ def seven_b(source: Path, path: Path, window: int | None, alternate: bool = Fals
     return path
 
 
+GDN: dict[str, Any] = {
+    "hidden_size": 2048,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "intermediate_size": 5120,
+    "vocab_size": 32768,
+    "max_position_embeddings": 65536,
+    "torch_dtype": "bfloat16",
+}
+"""The attention shape of both ``--shape gdn`` models (Qwen3-Next's, at 24 layers of 2048)."""
+GDN_LINEAR = {
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 16,
+    "num_experts_per_tok": 4,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+    "full_attention_interval": 4,
+}
+"""Qwen3-Next's Gated DeltaNet and expert settings (its ``config.json``), with fewer experts."""
+
+
+def gdn(source: Path, path: Path, hybrid: bool) -> Path:
+    """A config-only model of `GDN`'s shape (random weights at load) with the tiny model's
+    tokenizer: a Qwen3-Next whose every fourth layer is full attention (``hybrid``), or a Llama
+    with full attention in every layer."""
+    path.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        (path / name).write_bytes((source / name).read_bytes())
+    config = json.loads((source / "config.json").read_text())
+    config.update(GDN)
+    if hybrid:
+        kinds = ["linear_attention"] * 3 + ["full_attention"]
+        layers = [kinds[i % 4] for i in range(GDN["num_hidden_layers"])]
+        config.update(GDN_LINEAR, architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", layer_types=layers)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
 def engine(model: str, tokens: int, asynchronous: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     kwargs: dict[str, Any] = {} if asynchronous == "default" else {"async_scheduling": asynchronous == "on"}
-    large = json.loads((Path(model) / "config.json").read_text())["hidden_size"] == SEVEN_B["hidden_size"]
+    config = json.loads((Path(model) / "config.json").read_text())
+    large = config["hidden_size"] >= GDN["hidden_size"]
+    if config.get("model_type") == "qwen3_next":
+        # The admission reserve a restored state needs (kvharbor's check); FLA's Triton kernel
+        # for prefill (FlashInfer's, vLLM's choice on Hopper, is not installed there).
+        kwargs.update(
+            mamba_cache_mode="align",
+            enable_prefix_caching=True,
+            watermark=0.01,
+            additional_config={"gdn_prefill_backend": "triton"},
+        )
     if large:
         kwargs.update(load_format="dummy", dtype="bfloat16", gpu_memory_utilization=0.8, max_model_len=tokens + 64)
     else:
@@ -123,7 +181,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="where the models, configs and logs go (default: a temp dir)")
     parser.add_argument("--tokens", type=int, default=2000)
     parser.add_argument("--window", type=int, default=512)
-    parser.add_argument("--shape", default="tiny", choices=("tiny", "7b"))
+    parser.add_argument("--shape", default="tiny", choices=("tiny", "7b", "gdn"))
     parser.add_argument("--cases", default="", help="comma-separated case names to run (default: all of the shape)")
     parser.add_argument("--engine", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--asynchronous", default="default", choices=("default", "on", "off"), help=argparse.SUPPRESS)
@@ -151,6 +209,10 @@ def main() -> None:
         hybrid = seven_b(llama, out / "hybrid-7b", args.window, alternate=True)
         cases = (("full-7b", full, "off"), ("window-7b", windowed, "off"), ("hybrid-7b", hybrid, "off"))
         ram_gb = 2 * args.tokens * 128 * 1024 // 2**30 + 1
+    if args.shape == "gdn":
+        full_gdn, hybrid_gdn = gdn(llama, out / "full-gdn", False), gdn(llama, out / "gdn", True)
+        cases = (("full-gdn", full_gdn, "default"), ("gdn", hybrid_gdn, "default"))
+        ram_gb = 2 * args.tokens * 48 * 1024 // 2**30 + 4
     if args.cases:
         wanted = set(args.cases.split(","))
         cases = tuple(case for case in cases if case[0] in wanted)
