@@ -1,6 +1,6 @@
 """A sliding-window model on a GPU engine: one vLLM process stores a prompt, the next restores it.
 
-    python bench/gpu_window.py [--out DIR] [--tokens 2000] [--window 512] [--shape tiny|7b] [--cases A,B]
+    python bench/gpu_window.py [--out DIR] [--tokens 2000] [--window 512] [--shape tiny|7b|gdn] [--cases A,B]
 
 Builds the tiny random Llama (`kvharbor.demo.model`) and its sliding-window twin (a Mistral
 whose every layer attends to ``--window`` tokens, `tests.support.tiny_model`); with ``--shape
@@ -12,15 +12,20 @@ blocks of its own). With ``--shape gdn``, ``gdn`` is a Qwen3-Next-style hybrid (
 Gated DeltaNet ones to each full-attention one, 16 experts, bf16, random weights; vLLM's
 ``--mamba-cache-mode align``), beside ``full-gdn``, a Llama of its attention shape in every
 layer (2 KV heads of 256): the two log the bytes of a chunk and of a state (kvharbor's start
-lines). ``--cases`` picks some of the cases by name. Then for each
+lines); ``gdn-80b`` is Qwen3-Next-80B-A3B's shape (48 layers, 10 of 128 experts per token:
+`GDN_80B`). ``--cases`` picks some of the cases by name. Then for each
 runs two engine processes one after the other with ``KVHARBOR=1`` and the default embedded
 gateway (which lingers between them, holding its RAM tier): the first answers the prompt
 cold, the second answers it again; each then answers it once more with vLLM's own prefix
 cache emptied (``again_*``: a restore from kvharbor in a warm process). The sliding-window
 model runs with asynchronous scheduling off (kvharbor refuses it for such a model), and once
-more with vLLM's default, to show what that default does. Prints one JSON line per engine: the tokens restored
-(``num_cached_tokens``), the output ids and the answer's time; then a summary line.
-Nothing is asserted.
+more with vLLM's default, to show what that default does. The large shapes (``7b``, ``gdn``)
+warm each engine up first with a prompt shorter than a chunk (first-request kernel builds are
+not the cache's doing), time each answer's steps (`bench.gpu_timeline.clock_request`:
+``steps_ms``, ``cpu_ms``) and add vLLM's own floor (``floor_*``: the same prefix from its GPU
+prefix cache, an uncached tail of the same length computed). Prints one JSON line per
+engine: the tokens restored (``num_cached_tokens``), the output ids and the answer's time;
+then a summary line. Nothing is asserted.
 """
 
 from __future__ import annotations
@@ -42,8 +47,12 @@ REPO = Path(__file__).resolve().parents[1]
 MAX_TOKENS = 8
 
 
-def prompt(tokens: int) -> list[int]:
-    rng = random.Random(11)
+WARMUP_TOKENS = 500
+"""The warm-up prompt of the large shapes: shorter than one of their 544-token chunks."""
+
+
+def prompt(tokens: int, seed: int = 11) -> list[int]:
+    rng = random.Random(seed)
     return [rng.randrange(10, 4000) for _ in range(tokens)]
 
 
@@ -105,30 +114,47 @@ GDN_LINEAR = {
 """Qwen3-Next's Gated DeltaNet and expert settings (its ``config.json``), with fewer experts."""
 
 
-def gdn(source: Path, path: Path, hybrid: bool) -> Path:
+GDN_80B: dict[str, Any] = {
+    "num_hidden_layers": 48,
+    "num_experts": 128,
+    "num_experts_per_tok": 10,
+    "vocab_size": 151936,
+}
+"""Qwen3-Next-80B-A3B's shape (its ``config.json``: 48 layers, 10 routed experts per token)
+with 128 of its 512 experts, written over `GDN` and `GDN_LINEAR`: the same work per token
+(and 20 of its 80 billion weights, so that it fits one GPU)."""
+
+
+def gdn(source: Path, path: Path, hybrid: bool, extra: dict[str, Any] | None = None) -> Path:
     """A config-only model of `GDN`'s shape (random weights at load) with the tiny model's
     tokenizer: a Qwen3-Next whose every fourth layer is full attention (``hybrid``), or a Llama
-    with full attention in every layer."""
+    with full attention in every layer; ``extra`` written over both."""
     path.mkdir(parents=True, exist_ok=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         (path / name).write_bytes((source / name).read_bytes())
     config = json.loads((source / "config.json").read_text())
-    config.update(GDN)
+    config.update(GDN, **(extra or {}))
     if hybrid:
         kinds = ["linear_attention"] * 3 + ["full_attention"]
-        layers = [kinds[i % 4] for i in range(GDN["num_hidden_layers"])]
+        layers = [kinds[i % 4] for i in range(config["num_hidden_layers"])]
         config.update(GDN_LINEAR, architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", layer_types=layers)
+        config.update(extra or {})  # Over `GDN_LINEAR`'s expert counts.
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
 
 
 def engine(model: str, tokens: int, asynchronous: str) -> None:
+    config = json.loads((Path(model) / "config.json").read_text())
+    large = config["hidden_size"] >= GDN["hidden_size"]
+    if large:  # The connector's and vLLM's steps in this process, for `clock_request`.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    sys.path.insert(0, str(REPO))
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from bench.gpu_timeline import clock_request
+
     kwargs: dict[str, Any] = {} if asynchronous == "default" else {"async_scheduling": asynchronous == "on"}
-    config = json.loads((Path(model) / "config.json").read_text())
-    large = config["hidden_size"] >= GDN["hidden_size"]
     if config.get("model_type") == "qwen3_next":
         # The admission reserve a restored state needs (kvharbor's check); FLA's Triton kernel
         # for prefill (FlashInfer's, vLLM's choice on Hopper, is not installed there).
@@ -144,16 +170,38 @@ def engine(model: str, tokens: int, asynchronous: str) -> None:
         kwargs.update(gpu_memory_utilization=0.3, max_model_len=4096)
     llm = LLM(model=model, enforce_eager=True, **kwargs)
     params = SamplingParams(max_tokens=1 if large else MAX_TOKENS, temperature=0)
-    answer: dict[str, Any] = {}
-    for attempt in ("", "again_"):  # again: vLLM's own prefix cache emptied, kvharbor's kept
+
+    def answer(ids: list[int]) -> tuple[Any, float, dict[str, Any] | None]:
+        """One request: its output, seconds, and (large shapes) where the time went."""
+        run = lambda: llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)  # noqa: E731
         start = time.perf_counter()
-        (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt(tokens))], params)
-        seconds = time.perf_counter() - start
-        answer |= {f"{attempt}cached": out.num_cached_tokens, f"{attempt}seconds": seconds}
-        answer.setdefault("output", list(out.outputs[0].token_ids))
-        answer[f"{attempt}same_output"] = list(out.outputs[0].token_ids) == answer["output"]
+        outputs, clock = clock_request(run) if large else (run(), None)
+        return outputs[0], time.perf_counter() - start, clock
+
+    ids = prompt(tokens)
+    if large:  # Warms vLLM's kernels; shorter than a chunk (544 tokens), so kvharbor keeps none of it.
+        answer(prompt(WARMUP_TOKENS, seed=999))
+    result: dict[str, Any] = {}
+    for attempt in ("", "again_"):  # again: vLLM's own prefix cache emptied, kvharbor's kept
+        out, seconds, clock = answer(ids)
+        result |= {f"{attempt}cached": out.num_cached_tokens, f"{attempt}seconds": seconds}
+        if clock is not None:
+            result[f"{attempt}steps_ms"] = clock["steps_ms"]
+            result[f"{attempt}cpu_ms"] = {name: span["total_ms"] for name, span in clock["cpu"].items()}
+            result[f"{attempt}after_load_gpu_ms"] = clock.get("after_load_gpu_ms")
+        result.setdefault("output", list(out.outputs[0].token_ids))
+        result[f"{attempt}same_output"] = list(out.outputs[0].token_ids) == result["output"]
         llm.reset_prefix_cache()
-    print("ANSWER " + json.dumps(answer), flush=True)
+    if large:
+        # vLLM's own floor: the prefix restored once more (untimed) is in its GPU prefix
+        # cache, and an uncached tail of the same length is computed.
+        llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
+        hit = result["again_cached"]
+        out, seconds, clock = answer(ids[:hit] + prompt(tokens - hit, seed=7))
+        result |= {"floor_cached": out.num_cached_tokens, "floor_seconds": seconds}
+        if clock is not None:
+            result["floor_steps_ms"] = clock["steps_ms"]
+    print("ANSWER " + json.dumps(result), flush=True)
 
 
 def run(model: Path, tokens: int, asynchronous: str, config: Path, log: Path) -> dict[str, Any]:
@@ -211,7 +259,8 @@ def main() -> None:
         ram_gb = 2 * args.tokens * 128 * 1024 // 2**30 + 1
     if args.shape == "gdn":
         full_gdn, hybrid_gdn = gdn(llama, out / "full-gdn", False), gdn(llama, out / "gdn", True)
-        cases = (("full-gdn", full_gdn, "default"), ("gdn", hybrid_gdn, "default"))
+        big = gdn(llama, out / "gdn-80b", True, GDN_80B)
+        cases = (("full-gdn", full_gdn, "default"), ("gdn", hybrid_gdn, "default"), ("gdn-80b", big, "default"))
         ram_gb = 2 * args.tokens * 48 * 1024 // 2**30 + 4
     if args.cases:
         wanted = set(args.cases.split(","))
@@ -236,6 +285,8 @@ def main() -> None:
                 "restart_vs_cold": warm["seconds"] / cold["seconds"],
                 "warm_restore_vs_cold": warm["again_seconds"] / cold["seconds"],
             }
+            if "floor_seconds" in warm:
+                summary[name]["floor_vs_cold"] = warm["floor_seconds"] / cold["seconds"]
     print("SUMMARY " + json.dumps(summary), flush=True)
 
 

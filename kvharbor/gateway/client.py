@@ -264,8 +264,7 @@ class GatewayClient:
         """How many leading keys the gateway holds as values of ``value_bytes`` (0: any
         size), and how many of those leading ones are resident (see `p.LookupOk`)."""
         hits = resident = 0
-        for start in range(0, len(keys), p.KEYS_PER_MESSAGE_MAX):
-            part = list(keys[start : start + p.KEYS_PER_MESSAGE_MAX])
+        for part in p.batches(keys):
             found = self._call(p.Lookup(chunk_tokens, part, value_bytes), p.LookupOk)
             if not 0 <= found.hits <= len(part):
                 raise self._fail(f"LOOKUP_OK says {found.hits} hits for {len(part)} keys")
@@ -278,8 +277,7 @@ class GatewayClient:
     def verify(self, items: Sequence[tuple[bytes, bytes]], value_bytes: int = 0) -> int:
         """How many leading (fingerprint, key) items the gateway read back intact (see `p.Verify`)."""
         verified = 0
-        for start in range(0, len(items), p.KEYS_PER_MESSAGE_MAX):
-            part = list(items[start : start + p.KEYS_PER_MESSAGE_MAX])
+        for part in p.batches(items):
             found = self._call(p.Verify(value_bytes, part), p.VerifyOk).count
             if not 0 <= found <= len(part):
                 raise self._fail(f"VERIFY_OK says {found} verified of {len(part)}")
@@ -290,19 +288,12 @@ class GatewayClient:
 
     def locate(self, keys: Sequence[bytes]) -> list[int]:
         """Per key, a bit per tier that holds it; 0: none does (see `p.Locate`)."""
-        holders: list[int] = []
-        for start in range(0, len(keys), p.KEYS_PER_MESSAGE_MAX):
-            part = list(keys[start : start + p.KEYS_PER_MESSAGE_MAX])
-            found = self._call(p.Locate(part), p.LocateOk).holders
-            if len(found) != len(part):
-                raise self._fail(f"LOCATE_OK names {len(found)} keys for {len(part)} asked")
-            holders += found
-        return holders
+        return p.locate_all(keys, lambda question: self._call(question, p.LocateOk), self._fail)
 
     def drop(self, keys: Sequence[bytes]) -> None:
         """Remove ``keys`` from every tier (see `p.Drop`)."""
-        for start in range(0, len(keys), p.KEYS_PER_MESSAGE_MAX):
-            self._call(p.Drop(list(keys[start : start + p.KEYS_PER_MESSAGE_MAX])), p.Dropped)
+        for part in p.batches(keys):
+            self._call(p.Drop(part), p.Dropped)
 
     def prepare_put(
         self, fingerprint: bytes, items: Sequence[tuple[bytes, int]], namespace: int = NAMESPACE_UNKNOWN

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple, TypeVar
 
@@ -429,6 +429,27 @@ class LocateOk(Message):
     def parse(cls, reader: _Reader) -> LocateOk:
         n = reader.count()
         return cls([reader.unpack(_U64)[0] for _ in range(n)])
+
+
+_Item = TypeVar("_Item")
+
+
+def batches(items: Sequence[_Item]) -> Iterator[list[_Item]]:
+    """``items`` in the parts one message carries: `KEYS_PER_MESSAGE_MAX` at most, in order."""
+    for start in range(0, len(items), KEYS_PER_MESSAGE_MAX):
+        yield list(items[start : start + KEYS_PER_MESSAGE_MAX])
+
+
+def locate_all(keys: Sequence[bytes], ask: Callable[[Locate], LocateOk], fail: Callable[[str], Exception]) -> list[int]:
+    """`LocateOk.holders` of every one of ``keys``, asked in `batches` (``ask`` sends one
+    question and returns its answer); an answer naming another count of keys raises ``fail(why)``."""
+    holders: list[int] = []
+    for part in batches(keys):
+        found = ask(Locate(part)).holders
+        if len(found) != len(part):
+            raise fail(f"LOCATE_OK names {len(found)} keys for {len(part)} asked")
+        holders += found
+    return holders
 
 
 @dataclass(frozen=True, slots=True)

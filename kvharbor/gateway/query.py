@@ -104,14 +104,9 @@ class GatewayQuery:
 
     def locate(self, keys: Sequence[bytes]) -> list[int]:
         """`p.LocateOk.holders` of ``keys``, asked in batches of `p.KEYS_PER_MESSAGE_MAX`."""
-        holders: list[int] = []
-        for start in range(0, len(keys), p.KEYS_PER_MESSAGE_MAX):
-            part = list(keys[start : start + p.KEYS_PER_MESSAGE_MAX])
-            found = self._ask(p.Locate(part), p.LocateOk).holders
-            if len(found) != len(part):
-                raise NoGateway(Absence.NOT_A_GATEWAY, f"LOCATE_OK names {len(found)} keys for {len(part)} asked")
-            holders += found
-        return holders
+        return p.locate_all(
+            keys, lambda question: self._ask(question, p.LocateOk), lambda why: NoGateway(Absence.NOT_A_GATEWAY, why)
+        )
 
     def _ask(self, request: p.Message, expect: type[_Reply]) -> _Reply:
         path = self._section.socket

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvharbor.cache.keys import ChunkKey, LayoutFingerprint, chunk_keys, max_hit_tokens
@@ -244,16 +244,15 @@ class VllmLayout:
     """One per rank: of the state objects (every Mamba-type group's state at a chunk
     boundary); empty without Mamba-type groups."""
     state_digests: tuple[bytes, ...] = ()
+    kv_groups: tuple[CacheGroup, ...] = field(init=False, repr=False, compare=False)
+    """The attention groups, whose pages of a chunk's blocks make its chunk object."""
+    state_groups: tuple[CacheGroup, ...] = field(init=False, repr=False, compare=False)
+    """The Mamba-type groups, whose state at a chunk's end makes its state object."""
 
-    @property
-    def kv_groups(self) -> tuple[CacheGroup, ...]:
-        """The attention groups, whose pages of a chunk's blocks make its chunk object."""
-        return tuple(g for g in self.groups if not g.holds_state)
-
-    @property
-    def state_groups(self) -> tuple[CacheGroup, ...]:
-        """The Mamba-type groups, whose state at a chunk's end makes its state object."""
-        return tuple(g for g in self.groups if g.holds_state)
+    def __post_init__(self) -> None:
+        # Split once: the lookups and every step's plans ask for them.
+        object.__setattr__(self, "kv_groups", tuple(g for g in self.groups if not g.holds_state))
+        object.__setattr__(self, "state_groups", tuple(g for g in self.groups if g.holds_state))
 
     @property
     def state_bytes(self) -> int:

@@ -69,6 +69,8 @@ class _Request:
     """The leading chunks promised without a read-back (resident, or vLLM's own) when it began."""
     read_back_skipped: bool = False
     """Its chunks outside RAM were not read back: that was predicted slower than recomputing."""
+    stateless_counted: bool = False
+    """Its stored chunks recomputed for want of a state are counted (vLLM may ask again)."""
 
 
 @dataclass(slots=True)
@@ -241,8 +243,10 @@ class SchedulerSide:
                 items = list(zip(self.layout.state_digests, keys, strict=True))
                 if self.link.verify(items, self.layout.state_bytes) != ranks:
                     found = 0
-        self.counters.stateless_chunks += top - max(found, own)
         if found < top:
+            if not state.stateless_counted:  # vLLM may ask again: counted once.
+                state.stateless_counted = True
+                self.counters.stateless_chunks += top - max(found, own)
             self._once.say(
                 "stateless",
                 f"stored chunks of a hybrid model were recomputed: no Mamba-type state is stored at their end (a "

@@ -363,8 +363,9 @@ class WorkerSide:
         def restore(state: ChunkTransfer | None) -> bool:
             if state is None:
                 return True
-            held = path is not None and NULL_BLOCK not in (ids[0] for ids in state.block_ids)
-            return held and path is not None and path.load(state) == 1
+            if path is None or NULL_BLOCK in (ids[0] for ids in state.block_ids):
+                return False
+            return path.load(state) == 1
 
         restored = [restore(t.state) for t in transfers]
         if path is not None:
