@@ -23,7 +23,9 @@ more with vLLM's default, to show what that default does. The large shapes (``7b
 warm each engine up first with a prompt shorter than a chunk (first-request kernel builds are
 not the cache's doing), time each answer's steps (`bench.gpu_timeline.clock_request`:
 ``steps_ms``, ``cpu_ms``) and add vLLM's own floor (``floor_*``: the same prefix from its GPU
-prefix cache, an uncached tail of the same length computed). Prints one JSON line per
+prefix cache, an uncached tail of the same length computed) and a cold answer of an unseen prompt
+in the warm process (``steady_cold_*``: the ratios against it leave out kernel builds that the
+first long prompt may still pay). Prints one JSON line per
 engine: the tokens restored (``num_cached_tokens``), the output ids and the answer's time;
 then a summary line. Nothing is asserted.
 """
@@ -201,6 +203,11 @@ def engine(model: str, tokens: int, asynchronous: str) -> None:
         result |= {"floor_cached": out.num_cached_tokens, "floor_seconds": seconds}
         if clock is not None:
             result["floor_steps_ms"] = clock["steps_ms"]
+        # A cold answer in a warm process: an unseen prompt of the same length (this process's
+        # own seed, so that neither cache holds it). The first cold answer may still build
+        # kernels for the long shapes that the short warm-up did not reach.
+        out, seconds, _ = answer(prompt(tokens, seed=1000 + os.getpid()))
+        result |= {"steady_cold_cached": out.num_cached_tokens, "steady_cold_seconds": seconds}
     print("ANSWER " + json.dumps(result), flush=True)
 
 
@@ -287,6 +294,15 @@ def main() -> None:
             }
             if "floor_seconds" in warm:
                 summary[name]["floor_vs_cold"] = warm["floor_seconds"] / cold["seconds"]
+            if "steady_cold_seconds" in warm:  # Against a cold answer of the same (warm) process.
+                steady = warm["steady_cold_seconds"]
+                summary[name] |= {
+                    "cold_seconds": cold["seconds"],
+                    "steady_cold_seconds": steady,
+                    "restart_vs_steady_cold": warm["seconds"] / steady,
+                    "warm_restore_vs_steady_cold": warm["again_seconds"] / steady,
+                    "floor_vs_steady_cold": warm["floor_seconds"] / steady,
+                }
     print("SUMMARY " + json.dumps(summary), flush=True)
 
 
