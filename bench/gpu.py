@@ -426,6 +426,7 @@ def spawn_engine(args: argparse.Namespace, mode: str, tag: str, extra: list[str]
     log = out_dir(args) / f"engine-{tag}.log"
     command = [sys.executable, __file__, "engine", "--mode", mode, "--tag", tag, "--model", str(args.model)]
     command += ["--out", str(out_dir(args)), "--max-model-len", str(args.max_model_len), *extra]
+    command += ["--hash-algo", args.hash_algo]
     started = time.perf_counter()
     with open(log, "w") as sink:
         try:
@@ -578,6 +579,7 @@ def run_engine(args: argparse.Namespace) -> None:
         max_num_seqs=8,
         max_num_batched_tokens=16384,
         seed=0,
+        prefix_caching_hash_algo=args.hash_algo,
         kv_transfer_config=engine_transfer(args, work),
     )
     result: dict[str, Any] = {
@@ -1021,6 +1023,11 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=131072)
     parser.add_argument("--warmup-tokens", type=int, default=2048, help="engine: the warm-up prompt's length")
     parser.add_argument("--ram-gb", type=float, default=22.0, help="restart: the RAM tier's capacity")
+    parser.add_argument(
+        "--hash-algo",
+        default="sha256",
+        help="vLLM's --prefix-caching-hash-algo in every engine (its block hashing is part of each restore)",
+    )
     parser.add_argument(
         "--phases", default="recompute,service,embedded", help="restart: recompute and the gateway modes, in order"
     )

@@ -206,6 +206,25 @@ def die_before_commit() -> None:
     GatewayClient.commit_put = commit_put  # type: ignore[method-assign]
 
 
+def kill_gateway_at_promise(gateway_pid: int) -> None:
+    """SIGKILL the gateway once the scheduler has planned its first load, so that the load,
+    later in that step, finds it dead (the window a promise cannot close)."""
+    from kvharbor.connector.vllm.scheduler import SchedulerSide
+
+    planned = SchedulerSide.update_state_after_alloc
+
+    def update_state_after_alloc(self: SchedulerSide, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        planned(self, request, blocks, num_external_tokens)
+        if num_external_tokens > 0 and not killed:
+            killed.append(gateway_pid)
+            os.kill(gateway_pid, signal.SIGKILL)
+            wait_dead(gateway_pid)
+            emit({"killed_gateway_at_promise": num_external_tokens})
+
+    killed: list[int] = []
+    SchedulerSide.update_state_after_alloc = update_state_after_alloc  # type: ignore[method-assign]
+
+
 def main() -> int:
     with open(sys.argv[1]) as f:
         spec = json.load(f)
@@ -213,6 +232,8 @@ def main() -> int:
         announce_release(spec["release"])
     if spec.get("die_before_commit"):
         die_before_commit()
+    if spec.get("kill_gateway_at_promise"):
+        kill_gateway_at_promise(spec["kill_gateway_at_promise"])
     from vllm import LLM
 
     options = {"enforce_eager": True, "dtype": "float32", "max_model_len": 4096, "disable_log_stats": False}

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_harness import Lab, request, tokens
+from e2e_harness import OFF_LINE, Lab, request, tokens
 from test_e2e_bad_input import KVHARBOR_TRANSFER
 
 from tests.support.tiny_model import hybrid_model
@@ -60,6 +60,28 @@ def test_a_restarted_engine_restores_a_hybrid_model_state_and_chunks_together(la
     assert metrics["vllm:kvharbor_loaded_chunks"] == 4
     assert metrics["vllm:kvharbor_loaded_states"] == 1
     assert metrics["vllm:kvharbor_load_errors"] == 0
+
+
+def test_a_gateway_that_dies_between_promise_and_load_leaves_a_hybrid_model_served(lab: Lab, qwen3_next: Path) -> None:
+    """vLLM cannot recompute failed blocks of a model with several cache groups; kvharbor's
+    loads of such a model are asynchronous and a failed one is reported by request, which
+    vLLM recomputes: the answer is the cold one, and the engine serves on without the cache."""
+    lab.config_path = lab.write_config(mode="service", tiers=[{"name": "ram", "type": "ram", "capacity_gb": 0.25}])
+    gateway = lab.start_gateway()
+    first = lab.run(spec(qwen3_next)).ok()
+    assert first.metrics()["vllm:kvharbor_stored_chunks"] == 4
+    later = request(tokens(1500, seed=43))
+    run = lab.run({**spec(qwen3_next), "kill_gateway_at_promise": gateway.pid, "rounds": [[request(LONG)], [later]]})
+    run.ok()
+    assert run.record("killed_gateway_at_promise")["killed_gateway_at_promise"] == 4 * BLOCK
+    assert gateway.poll() == -9
+    results = run.requests()
+    assert results["0.0"]["cached"] == 0  # Recomputed, not restored.
+    assert results["0.0"]["tokens"] == first.requests()["0.0"]["tokens"]
+    assert len(results["1.0"]["tokens"]) == len(first.requests()["0.0"]["tokens"])  # Served on.
+    assert run.log.count(OFF_LINE) == 1, run.log
+    metrics = run.metrics()
+    assert metrics["vllm:kvharbor_load_errors"] == 4 and metrics["vllm:kvharbor_cache_off"] == 1
 
 
 def test_a_hybrid_model_without_a_stored_state_is_recomputed_not_restored(lab: Lab, qwen3_next: Path) -> None:

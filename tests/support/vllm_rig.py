@@ -219,11 +219,23 @@ class SchedulerRig:
             request = self.requests[req_id]
             # num_computed_tokens is already advanced past this step's tokens.
             sampled.append([NEXT_TOKEN] if request.num_computed_tokens >= request.num_tokens else [])
+        # As a worker reports: an asynchronous load by request (failed when one of its blocks
+        # is named), a synchronous one by its failed blocks.
+        received = {load.request_id for load in meta.loads if load.asynchronous}
+        failed_loads = {
+            load.request_id
+            for load in meta.loads
+            if load.asynchronous and failed & {b for ids in load.block_ids for b in ids}
+        }
+        failed_blocks = {b for load in meta.loads if not load.asynchronous for ids in load.block_ids for b in ids}
+        report = KVConnectorOutput(
+            finished_recving=received or None, failed_recving=failed_loads, invalid_block_ids=failed & failed_blocks
+        )
         runner = ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled,
-            kv_connector_output=KVConnectorOutput(invalid_block_ids=failed) if failed else None,
+            kv_connector_output=None if report.is_empty() else report,
         )
         if workers is not None:
             reports = workers(meta)
@@ -235,6 +247,7 @@ class SchedulerRig:
         self.failed_loads.update(
             load.request_id for load in meta.loads if reported & {b for ids in load.block_ids for b in ids}
         )
+        self.failed_loads.update(runner.kv_connector_output.failed_recving if runner.kv_connector_output else ())
         finished = []
         stats: dict[str, float] = {}
         for outputs in self.scheduler.update_from_output(output, runner).values():

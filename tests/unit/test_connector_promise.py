@@ -164,6 +164,32 @@ def test_a_load_that_fails_after_its_promise_is_recomputed_and_saved_again(
     assert saved_keys(steps) == keys[1:]
 
 
+def test_a_hybrid_models_load_that_fails_is_recomputed_whole_and_saved_again(
+    tiny_model: Path, real_gateway: RealGateway
+) -> None:
+    """Several cache groups: the load is asynchronous, a failed one is reported by request,
+    and vLLM recomputes the request from its start (the engine keeps serving it)."""
+    rig = SchedulerRig(tiny_model, gateway=real_gateway, mamba=True, engine={"chunk_size": BLOCK})
+    tokens = prompt(1001)
+    keys = rig.keys(tokens)
+    rig.hold(keys)
+    rig.hold_states([rig.state_keys(tokens)[6]])
+    rig.add("r", tokens)
+    # Promised in full (7 chunks and the state at their end); the worker's load falls short.
+    first = rig.step(load_errors=lambda meta: {meta.loads[0].block_ids[0][3]})
+    [load] = first.meta.loads
+    assert load.asynchronous and first.scheduled("r") == 0
+    client = real_gateway.client()
+    client.drop(keys[3:])  # As after a damaged chunk: not stored any more.
+    client.close()
+
+    steps = rig.run()
+    # Recomputed from the start, never offered a load again; the chunks are stored again.
+    assert steps[0].new_request("r").num_computed_tokens == 0
+    assert all(not step.meta.loads for step in steps)
+    assert saved_keys(steps) == keys[:7]
+
+
 @pytest.fixture
 def rig(tiny_model: Path, real_gateway: RealGateway) -> SchedulerRig:
     return SchedulerRig(tiny_model, gateway=real_gateway)

@@ -176,6 +176,24 @@ def dead_gateway_fails_loads_not_the_step(
     assert gateway.holds([MISSING]) == 0
 
 
+def test_an_asynchronous_load_is_reported_by_request_also_when_it_falls_short(real_gateway: RealGateway) -> None:
+    """vLLM holds such a request back until the load is reported, and recomputes one reported
+    failed; a failed block is not reported for it (vLLM cannot map blocks back to requests
+    when there are several cache groups)."""
+    source, target = caches(seed=7), caches(seed=None)
+    saved(real_gateway, source)
+    side = worker(real_gateway, target)
+    whole = ChunkTransfer(request_id="whole", keys=[[K0, K1]], block_ids=[[5, 6, 7, 8]], asynchronous=True)
+    short = ChunkTransfer(request_id="short", keys=[[K0, MISSING]], block_ids=[[9, 10, 11, 12]], asynchronous=True)
+    side.load(KVHarborMetadata(loads=[whole, short]))
+    received = side.take_received()
+    assert received.done == {"whole", "short"} and received.failed == {"short"}
+    assert side.take_load_errors() == set()
+    assert all(torch.equal(target[name][5:9], source[name][1:5]) for name in LAYERS)
+    assert side.take_received().done == set()  # Each reported once.
+    side.close()
+
+
 def test_the_report_that_says_no_save_is_pending_counts_every_commit(real_gateway: RealGateway) -> None:
     """What keeps vLLM stepping until ``stored_chunks`` includes the last commit (see `worker`)."""
     side = worker(real_gateway, caches(seed=5))

@@ -43,7 +43,7 @@ from kvharbor.config import ConfigError
 from kvharbor.connector.link import CacheLink
 from kvharbor.connector.ranks import RankAgreement, RankGroup, SoleRank, TorchRankGroup
 from kvharbor.connector.verifier import Verifier
-from kvharbor.connector.vllm import handoff
+from kvharbor.connector.vllm import compat, handoff
 from kvharbor.connector.vllm.costs import load_planner
 from kvharbor.connector.vllm.layout import ConnectorRefusal, build_layout, smallest_window
 from kvharbor.connector.vllm.metadata import KVHarborMetadata
@@ -115,6 +115,7 @@ class KVHarborConnector(KVConnectorBase_V1, SupportsHMA):
                 link,
                 load_planner(vllm_config, self.layout, self.config.engine),
                 verifier,
+                asynchronous_loads=len(self.layout.groups) > 1 and compat.reports_failed_loads(),
             )
             link.start()  # Connect now, as the workers do: not in the first request's path.
             verifier.link.start()  # Likewise: a first read-back must not wait for a connection.
@@ -169,6 +170,11 @@ class KVHarborConnector(KVConnectorBase_V1, SupportsHMA):
             return 0, False
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        """The groups an asynchronous load fills (vLLM leaves their new blocks unzeroed): every
+        group; a load restores each group's blocks of its chunks, and a state's."""
+        return tuple(group.index for group in self.layout.groups) if self._scheduler is not None else ()
+
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if self._scheduler is not None:
             self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
@@ -205,6 +211,7 @@ class KVHarborConnector(KVConnectorBase_V1, SupportsHMA):
         if self._scheduler is not None:
             self._scheduler.observe(getattr(connector_output, "kv_connector_stats", None))
             self._scheduler.observe_load_errors(getattr(connector_output, "invalid_block_ids", None) or set())
+            self._scheduler.observe_failed_loads(getattr(connector_output, "failed_recving", None) or set())
 
     # -- worker role -------------------------------------------------------------
 
@@ -260,6 +267,22 @@ class KVHarborConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVHarborMetadata)
         self._worker.save(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Saves never hold blocks back (nothing is sent); the asynchronous loads done since
+        the last call, failed ones included (`get_transfer_results` says which failed)."""
+        received = self._worker.take_received().done if self._worker is not None else set()
+        return None, received or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """vLLM 0.32: the asynchronous loads done since the last call, and which of them fell
+        short (vLLM recomputes those)."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+        received = self._worker.take_received() if self._worker is not None else None
+        if received is None:
+            return KVConnectorTransferResults()
+        return KVConnectorTransferResults(finished_recving=received.done, failed_recving=received.failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()

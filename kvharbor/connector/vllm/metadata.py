@@ -34,6 +34,11 @@ class ChunkTransfer:
     ends_prompt: bool = False
     """Saves: this transfer holds the request's last storable chunk, so the step that
     computes it may be the one whose answer goes out first (`EngineSection.saves_land_before_answer`)."""
+    asynchronous: bool = False
+    """Loads: vLLM holds the request back until the load is reported (its asynchronous loads,
+    ``WAITING_FOR_REMOTE_KVS``), and a load that fell short is reported by request
+    (``failed_recving``): vLLM recomputes the request then, also for a model with several
+    KV cache groups, where failed blocks would stop it (`compat.reports_failed_loads`)."""
     state: ChunkTransfer | None = None
     """A hybrid model's Mamba-type state at the end of this transfer's last chunk: one key
     per rank, one block per Mamba-type group. A load restores it first and its chunks only

@@ -71,6 +71,9 @@ class _Request:
     """Its chunks outside RAM were not read back: that was predicted slower than recomputing."""
     stateless_counted: bool = False
     """Its stored chunks recomputed for want of a state are counted (vLLM may ask again)."""
+    load_failed: bool = False
+    """Its asynchronous load fell short (`observe_failed_loads`): vLLM recomputes it, and it
+    is never offered a load again."""
 
 
 @dataclass(slots=True)
@@ -117,6 +120,7 @@ class SchedulerSide:
         link: CacheLink,
         planner: LoadPlanner | None = None,
         verifier: Verifier | None = None,
+        asynchronous_loads: bool = False,
     ) -> None:
         self.layout = layout
         self.config = config
@@ -126,6 +130,10 @@ class SchedulerSide:
         chunks are never promised (recomputed)."""
         self.planner = planner
         """Load or recompute (`kvharbor.cache.bandwidth`); None: always load."""
+        self.asynchronous_loads = asynchronous_loads
+        """Loads are vLLM's asynchronous ones (`ChunkTransfer.asynchronous`): for a model with
+        several KV cache groups, whose failed load vLLM recomputes only when it is reported by
+        request. Else synchronous: a load is done within the step that computes past it."""
         self.saves_pending = False
         """The workers' last report had saves not yet counted (`worker` says why it matters)."""
         self._off_reason = ""
@@ -146,10 +154,11 @@ class SchedulerSide:
     # -- admission ---------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """External tokens loadable past ``num_computed_tokens`` (loads are synchronous), or
-        None while stored chunks are being read back (vLLM asks again the next step)."""
+        """External tokens loadable past ``num_computed_tokens``, or None while stored chunks
+        are being read back (vLLM asks again the next step); and whether their load is
+        asynchronous (`asynchronous_loads`)."""
         state = self._request(request)
-        if state is None or not state.keys[0]:
+        if state is None or not state.keys[0] or state.load_failed:
             return 0, False
         hit_chunks = self._promised_chunks(request.request_id, state, request.num_tokens, num_computed_tokens)
         if hit_chunks is None:
@@ -162,7 +171,8 @@ class SchedulerSide:
         assert end <= self.layout.max_hit_tokens(request.num_tokens)
         if end > num_computed_tokens and not self._worth_loading(request.request_id, num_computed_tokens, end):
             return 0, False
-        return max(0, end - num_computed_tokens), False
+        tokens = max(0, end - num_computed_tokens)
+        return tokens, self.asynchronous_loads and tokens > 0
 
     def _promised_chunks(self, req_id: str, state: _Request, num_tokens: int, num_computed_tokens: int) -> int | None:
         """The leading chunks to promise: stored, and resident or read back intact; None
@@ -359,6 +369,7 @@ class SchedulerSide:
             keys=[keys[first_chunk:last_chunk] for keys in state.keys],
             block_ids=span(self._kv_blocks(block_ids), start_block, end_block),
             skip_blocks=start_block - first_chunk * per_chunk,
+            asynchronous=self.asynchronous_loads,
             state=self._state_transfer(request.request_id, state, block_ids, last_chunk) if state.state_keys else None,
             recompute_s=(
                 self.planner.chunk_recompute_s(state.local_tokens, state.local_tokens + num_external_tokens)
@@ -476,6 +487,20 @@ class SchedulerSide:
             if failed is not None:
                 chunk = state.load_first_chunk + (load.skip_blocks + failed) // per_chunk
                 state.saved_chunks = min(state.saved_chunks, chunk)
+                state.load = None
+
+    def observe_failed_loads(self, request_ids: set[str]) -> None:
+        """Requests whose asynchronous load fell short (vLLM's ``failed_recving``): vLLM
+        recomputes them from their start, they are not offered a load again, and their
+        chunks from the load's first on are saved again from the recomputed KV."""
+        for req_id in request_ids:
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            state.load_failed = True
+            if state.load is not None:
+                state.saved_chunks = min(state.saved_chunks, state.load_first_chunk)
+                state.state_chunks = min(state.state_chunks, state.load_first_chunk)
                 state.load = None
 
     def request_finished(self, request: Any) -> tuple[bool, None]:

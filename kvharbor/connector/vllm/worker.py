@@ -121,6 +121,16 @@ class _Loading:
     """Per transfer, whether its state (if it has one) was restored."""
 
 
+@dataclass(frozen=True, slots=True)
+class Received:
+    """Asynchronous loads (`ChunkTransfer.asynchronous`) done since the last report, by request."""
+
+    done: set[str]
+    """Every one done, restored or not (vLLM waits for each)."""
+    failed: set[str]
+    """Of those, the ones that fell short on some rank: vLLM recomputes them."""
+
+
 class WorkerSide:
     def __init__(
         self,
@@ -146,6 +156,7 @@ class WorkerSide:
         """A hybrid model's Mamba-type states (one block per chunk end); None for other models."""
         self._timer: StepTimer | None = None
         self._load_errors: set[int] = set()
+        self._received = Received(set(), set())
         self._stats = empty()
         self._stats_lock = threading.Lock()
         self._once = OnceLog(_log)
@@ -328,8 +339,11 @@ class WorkerSide:
             started = time.perf_counter()
             for path in self._paths() if meta.loads else ():
                 path.begin_loads()
-            # Too late for a hybrid model's states: vLLM has copied them on already (`_restore_states`).
-            restored = self._restore_all(meta.loads, [t.state is None for t in meta.loads])
+            # Too late for the states of a hybrid model's synchronous loads: vLLM has copied them
+            # on already (`_restore_states`). An asynchronous load's request does not run this step.
+            early = iter(self._restore_states([t for t in meta.loads if t.asynchronous]))
+            states = [next(early) if t.asynchronous else t.state is None for t in meta.loads]
+            restored = self._restore_all(meta.loads, states)
         elif loading.blocks is None:
             started, restored = loading.started_s, self._restore_all(meta.loads, loading.states)
         else:
@@ -339,9 +353,14 @@ class WorkerSide:
             say_off(meta.cache_off)
         short = set()
         for transfer, blocks in zip(meta.loads, agreed, strict=True):
+            self._count(load_errors=transfer.blocks - blocks)
+            if transfer.asynchronous:  # Reported by request (`take_received`).
+                self._received.done.add(transfer.request_id)
+                if blocks < transfer.blocks:
+                    self._received.failed.add(transfer.request_id)
+                continue
             # Every group's blocks past those restored (a null block is nobody's, not an error).
             self._load_errors.update(b for ids in transfer.block_ids for b in ids[blocks:] if b != NULL_BLOCK)
-            self._count(load_errors=transfer.blocks - blocks)
             if blocks < transfer.blocks:
                 short.add(transfer.request_id)
         if short:
@@ -418,6 +437,12 @@ class WorkerSide:
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def take_received(self) -> Received:
+        """The asynchronous loads done since the last call (vLLM asks once a step, after the
+        step's loads: `load` has agreed on them with every rank by then)."""
+        received, self._received = self._received, Received(set(), set())
+        return received
 
     # -- saves -------------------------------------------------------------------
 
