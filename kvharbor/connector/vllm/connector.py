@@ -57,6 +57,7 @@ from kvharbor.telemetry.log import attach_to_engine_log, get_logger
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -268,20 +269,15 @@ class KVHarborConnector(KVConnectorBase_V1, SupportsHMA):
         assert isinstance(meta, KVHarborMetadata)
         self._worker.save(meta)
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Saves never hold blocks back (nothing is sent); the asynchronous loads done since
-        the last call, failed ones included (`get_transfer_results` says which failed)."""
-        received = self._worker.take_received().done if self._worker is not None else set()
-        return None, received or None
-
-    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
-        """vLLM 0.32: the asynchronous loads done since the last call, and which of them fell
-        short (vLLM recomputes those)."""
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """vLLM 0.32 (0.26 has no asynchronous loads of ours, and asks `get_finished`, which
+        answers none): the asynchronous loads done since the last call, and which of them fell
+        short (vLLM recomputes those). Saves never hold blocks back: nothing is sent."""
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-        received = self._worker.take_received() if self._worker is not None else None
-        if received is None:
+        if self._worker is None:
             return KVConnectorTransferResults()
+        received = self._worker.take_received()
         return KVConnectorTransferResults(finished_recving=received.done, failed_recving=received.failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
