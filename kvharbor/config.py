@@ -79,6 +79,15 @@ class EngineSection(_Section):
     for the read-back instead, at most this long; a request arriving meanwhile starts at most
     this much later. 0: never wait."""
     # The worker's data path (`connector.vllm.datapath`); none of these changes what is stored.
+    load_start_wait_ms: float = Field(
+        10.0, ge=0, allow_inf_nan=False, description="longest wait for an early restore's first copies to be queued"
+    )
+    """A step's restores start on the loader thread before vLLM asks for them (`handoff`), but
+    the engine's thread, busy in Python, holds the interpreter: on an H200 the loader's first
+    gateway request and copy followed ~12 ms after the start at 130,000 tokens. The engine's
+    thread therefore waits, at most this long, until the copies of the first requests (as many
+    as can be queued at once) are under way; they then run beside vLLM's input preparation.
+    0: never wait."""
     load_batch_mb: int = Field(256, gt=0, le=4096, description="MiB asked of the gateway per load request")
     """Also the size of each of the two device staging slots a GPU's loads pass through (one is
     copied in while the other is scattered): 256 MiB keeps the copy engines busy on the H200."""

@@ -114,6 +114,9 @@ def _tiers(*tiers: dict[str, Any]) -> dict[str, Any]:
             id="negative staging wait",
         ),
         pytest.param(
+            {"engine": {"load_start_wait_ms": "nan"}}, ["engine.load_start_wait_ms", "finite"], id="nan start wait"
+        ),
+        pytest.param(
             _tiers(
                 {"name": "ram", "type": "ram", "capacity_gb": 1},
                 {"name": "ram", "type": "file", "path": "/x", "capacity_gb": 1},

@@ -254,6 +254,70 @@ def test_a_restore_prepared_at_the_step_start_runs_on_the_loader_thread(real_gat
         side.close()
 
 
+def held_flush(side: WorkerSide, held: int, release: threading.Event) -> list[bool]:
+    """The worker's copy made to hold its flush number ``held`` (from 1) until ``release`` is
+    set (60 s at most); returned: per held flush, whether ``release`` came."""
+    path = side._path
+    assert path is not None
+    copy, real_flush, came = path.copy, path.copy.flush_load, []
+    flushes = 0
+
+    def flush_load(mapping: Any) -> Any:
+        nonlocal flushes
+        flushes += 1
+        if flushes == held:
+            came.append(release.wait(60))
+        return real_flush(mapping)
+
+    copy.flush_load = flush_load  # type: ignore[method-assign]
+    return came
+
+
+def test_a_restore_prepared_early_returns_once_its_first_copies_are_under_way(real_gateway: RealGateway) -> None:
+    """The engine's thread waits in `prepare_load` until the loader has queued the copies of as
+    many gateway requests as can be under way at once (on a CPU one, copied in its flush):
+    busy in Python, it would otherwise keep the interpreter from the loader."""
+    gateway, source, target = real_gateway, caches(seed=9), caches(seed=None)
+    saved(gateway, source)
+    side = worker(gateway, target, load_batch_mb=1, load_start_wait_ms=60_000)  # One chunk per request.
+    release = threading.Event()
+    try:
+        came = held_flush(side, 2, release)
+        meta = KVHarborMetadata(loads=[transfer([K0, K1], [9, 5, 12, 7])])
+        side.prepare_load(meta)
+        first_copied = same_pages(target, [9, 5], source, [1, 2])
+        second_untouched = all(not target[n][[12, 7]].any() for n in LAYERS)
+        release.set()
+        assert first_copied and second_untouched
+        side.load(meta)
+        assert came == [True]
+        assert same_pages(target, [9, 5, 12, 7], source, [1, 2, 3, 4])
+        assert side.take_load_errors() == set()
+    finally:
+        release.set()
+        side.close()
+
+
+def test_a_first_copy_that_does_not_come_holds_the_engine_no_longer_than_the_start_wait(
+    real_gateway: RealGateway,
+) -> None:
+    gateway, source, target = real_gateway, caches(seed=10), caches(seed=None)
+    saved(gateway, source)
+    side = worker(gateway, target, load_start_wait_ms=1)
+    release = threading.Event()
+    try:
+        came = held_flush(side, 1, release)  # The first request's copy waits for this thread.
+        meta = KVHarborMetadata(loads=[transfer([K0, K1], [9, 5, 12, 7])])
+        side.prepare_load(meta)  # Returns after its 1 ms, the copy still held.
+        release.set()
+        side.load(meta)
+        assert came == [True]  # Released by this thread, after `prepare_load` had returned.
+        assert same_pages(target, [9, 5, 12, 7], source, [1, 2, 3, 4])
+    finally:
+        release.set()
+        side.close()
+
+
 def test_a_restore_prepared_for_a_step_that_never_ran_is_not_taken_for_the_next(real_gateway: RealGateway) -> None:
     gateway, source, target = real_gateway, caches(seed=8), caches(seed=None)
     saved(gateway, source)

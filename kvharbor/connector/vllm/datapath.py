@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvharbor.connector.vllm.chunks import blocks_before, chunk_load, plan_saves, unread_chunks
-from kvharbor.connector.vllm.copier import MIB, PageCopy, StagingUnavailable, StepSave
+from kvharbor.connector.vllm.copier import MIB, PageCopy, StagingUnavailable, StepSave, Wait
 from kvharbor.connector.vllm.pinning import PinError, PinnedMapping, Register
 from kvharbor.gateway.shm import ShmUnavailable
 from kvharbor.telemetry.log import OnceLog, get_logger
@@ -196,11 +196,17 @@ class DataPath:
         """On the engine's thread, before the step's `load` calls (`PageCopy.begin_loads`)."""
         self.copy.begin_loads()
 
-    def load(self, transfer: ChunkTransfer, proceed: Callable[[int], bool] | None = None) -> int:
+    def load(
+        self,
+        transfer: ChunkTransfer,
+        proceed: Callable[[int], bool] | None = None,
+        queued: Callable[[], None] | None = None,
+    ) -> int:
         """Restore the leading stored chunks of ``transfer``; returns the block positions
         restored (in every cache group).
 
         ``proceed(chunks_so_far)``, asked before each further gateway request, may stop the load.
+        ``queued()`` is called after each gateway request's copies were started (`flush_load`).
         Called after `begin_loads`, on any one thread at a time.
         """
         if not self.mappings:
@@ -223,12 +229,18 @@ class DataPath:
         def go_on(done: int) -> bool:
             return len(accepted) >= done and (proceed is None or proceed(done))
 
+        def flush() -> Wait:
+            wait = copy.flush_load(mapping)
+            if queued is not None:
+                queued()
+            return wait
+
         chunks = self._load_link.load_streamed(
             self.fingerprint,
             keys[unread:],
             copy.chunks_per_load,
             sink,
-            lambda: copy.flush_load(mapping),
+            flush,
             go_on,
         )
         restored = min(chunks, len(accepted))

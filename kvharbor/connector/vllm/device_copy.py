@@ -44,6 +44,8 @@ from kvharbor.connector.vllm.streams import Event, engine_stream, new_stream, sy
 
 class DeviceCopy:
     snapshots_saves = True
+    loads_queued_max = 2
+    """The two staging slots: one is copied in while the other is scattered."""
 
     def __init__(
         self,
@@ -71,7 +73,7 @@ class DeviceCopy:
         self.gathers = new_stream(self.device)
         self.d2h = new_stream(self.device)
         self._slots: list[torch.Tensor] = []
-        self._slot_free: list[Event | None] = [None, None]
+        self._slot_free: list[Event | None] = [None] * self.loads_queued_max
         self._next_slot = 0
         self._stage = LoadStage(self)
         self._layer_ready: list[Event] = []
@@ -100,7 +102,8 @@ class DeviceCopy:
             return
         nbytes = self.chunks_per_load * self.chunk_bytes
         try:
-            self._slots = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(2)]
+            slots = range(self.loads_queued_max)
+            self._slots = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in slots]
         except torch.OutOfMemoryError:
             self._slots = []
             raise StagingUnavailable(

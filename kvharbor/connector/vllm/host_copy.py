@@ -22,6 +22,8 @@ class HostCopy:
     snapshots_saves = False
     staging_waited_s = 0.0
     """Saves read the blocks in the step: no staging to wait for."""
+    loads_queued_max = 1
+    """A load request is copied within its `flush_load`."""
 
     def __init__(
         self,

@@ -121,6 +121,28 @@ class _Loading:
     """Per transfer, whether its state (if it has one) was restored."""
 
 
+class _Underway:
+    """Whether a restore started early (`WorkerSide.prepare_load`) has its first ``wanted``
+    requests' copies queued, or has ended: the loader thread tells, the engine's thread waits."""
+
+    def __init__(self, wanted: int) -> None:
+        self._left = wanted
+        """Loader thread only."""
+        self._event = threading.Event()
+
+    def queued(self) -> None:
+        self._left -= 1
+        if self._left <= 0:
+            self._event.set()
+
+    def finish(self) -> None:
+        self._event.set()
+
+    def wait(self, timeout_s: float) -> None:
+        if timeout_s > 0:
+            self._event.wait(timeout_s)
+
+
 @dataclass(frozen=True, slots=True)
 class Received:
     """Asynchronous loads (`ChunkTransfer.asynchronous`) done since the last report, by request."""
@@ -298,7 +320,9 @@ class WorkerSide:
         already started is not started again.
 
         Their copies then overlap that preparation (15-29 ms of a 130,000-token restore on an
-        H200, though the first copy waits for the busy engine thread: `docs/performance.md`).
+        H200: `docs/performance.md`). This thread first waits, at most
+        ``engine.load_start_wait_ms``, until the first requests' copies are queued: while it
+        runs Python the loader thread would get the interpreter only at its switch interval.
         Nothing the preparation does touches the KV cache, and the engine reads no restored
         block before `load` has waited for the restores.
         """
@@ -313,7 +337,11 @@ class WorkerSide:
             # ``_update_states``: ``new_block_ids_to_zero``): its chunks are restored in `load`.
             self._loading = _Loading(meta, started, None, states)
             return
-        self._loading = _Loading(meta, started, self._loader.submit(self._restore_all, meta.loads, states), states)
+        underway = _Underway(self._path.copy.loads_queued_max)
+        blocks = self._loader.submit(self._restore_announced, meta.loads, states, underway)
+        self._loading = _Loading(meta, started, blocks, states)
+        # The loader's first requests need the interpreter, which this thread would hold.
+        underway.wait(self.config.engine.load_start_wait_ms / 1000)
 
     def load(self, meta: KVHarborMetadata) -> None:
         """Restore the step's planned chunks, as far as every rank could (`RankAgreement`).
@@ -391,15 +419,30 @@ class WorkerSide:
             path.copy.wait_loads()  # On a GPU the engine's stream waits for them.
         return restored
 
-    def _restore_all(self, transfers: Sequence[ChunkTransfer], states: Sequence[bool]) -> list[int]:
+    def _restore_announced(
+        self, transfers: Sequence[ChunkTransfer], states: Sequence[bool], underway: _Underway
+    ) -> list[int]:
+        """`_restore_all` on the loader thread, telling ``underway`` of each request's copies
+        and of its end, whatever the end."""
+        try:
+            return self._restore_all(transfers, states, underway.queued)
+        finally:
+            underway.finish()
+
+    def _restore_all(
+        self, transfers: Sequence[ChunkTransfer], states: Sequence[bool], queued: Callable[[], None] | None = None
+    ) -> list[int]:
         """This rank's restores: per transfer, how many of its leading block positions it
-        filled. ``states``: per transfer, whether its state (if it has one) was restored."""
+        filled. ``states``: per transfer, whether its state (if it has one) was restored.
+        ``queued``: `DataPath.load`'s."""
         path = self._path
         if path is None:
             return [0] * len(transfers)
-        return [self._restore(path, transfer, state) for transfer, state in zip(transfers, states, strict=True)]
+        return [self._restore(path, t, state, queued) for t, state in zip(transfers, states, strict=True)]
 
-    def _restore(self, path: DataPath, transfer: ChunkTransfer, has_state: bool) -> int:
+    def _restore(
+        self, path: DataPath, transfer: ChunkTransfer, has_state: bool, queued: Callable[[], None] | None
+    ) -> int:
         """One transfer's restore. A hybrid model's chunks are restored all or none, and only
         with their state: it is the state after the last chunk, and vLLM computing on from
         an earlier block would find no state there."""
@@ -408,7 +451,7 @@ class WorkerSide:
         # With several cache groups vLLM 0.26-0.32 cannot recompute blocks a load did not fill
         # (its scheduler raises for invalid blocks of several groups): such a load is not cut.
         cut = self._load_cut(transfer, path.copy.chunk_bytes) if len(self.layout.groups) == 1 else None
-        restored = path.load(transfer, cut)
+        restored = path.load(transfer, cut, queued)
         return restored if transfer.state is None or restored == transfer.blocks else 0
 
     def _load_cut(self, transfer: ChunkTransfer, chunk_bytes: int) -> Callable[[int], bool]:
