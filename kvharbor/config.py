@@ -91,6 +91,16 @@ class EngineSection(_Section):
     load_batch_mb: int = Field(256, gt=0, le=4096, description="MiB asked of the gateway per load request")
     """Also the size of each of the two device staging slots a GPU's loads pass through (one is
     copied in while the other is scattered): 256 MiB keeps the copy engines busy on the H200."""
+    loads_in_flight_max: int = Field(
+        2, gt=0, le=64, description="load requests whose copies a GPU may have queued at once"
+    )
+    """A GPU's loads of one step are queued ahead of its copy engine, each request of
+    ``load_batch_mb`` holding its values in the gateway until its copy is done, so that the
+    copies go on while the loader thread waits for the interpreter (vLLM's thread holds it
+    while it prepares the step). Requests whose values the gateway copied into its ring (not
+    served in place from a RAM tier) hold at most half the ring between them. On a CPU each
+    request is copied within the step, one at a time. Default 2 (one per staging slot): depths 8
+    and 16 gave no end-to-end gain beyond the hosts' noise on an H200 (docs/performance.md)."""
     save_staging_mb_max: int = Field(4096, gt=0, description="GPU memory saves waiting for their copy out may hold")
     """Past it a step waits up to ``save_staging_wait_ms`` for room (at least one chunk is always allowed)."""
     save_staging_wait_ms: int = Field(5000, ge=0, description="how long a step waits for save staging room")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import ClassVar
@@ -225,52 +226,70 @@ class CacheLink:
         sink: Callable[[int, memoryview], None],
         flush: Callable[[], Callable[[], None]],
         proceed: Callable[[int], bool] | None = None,
+        in_flight_max: int = 2,
     ) -> int:
         """`load` in requests of ``keys_per_get`` keys, for copies that finish later (DMA).
 
         ``sink(i, value)`` starts copying value i; after each request's values,
         ``flush()`` starts their copies and returns a ``wait`` that blocks until
-        they have read the shared memory. The gateway reads request n+1 while
-        request n's copies run; a request's room is given back only after its
-        wait. ``proceed(values_so_far)``, asked before each further request, may
-        stop early. Returns how many leading values were copied completely: a
-        request whose room could not be given back cleanly is not counted (the
-        gateway may have reused its memory under the copy).
+        they have read the shared memory. Up to ``in_flight_max`` requests are held
+        at once: the gateway reads request n+1 while the copies of the earlier ones
+        run, and a request's room is given back only after its wait, oldest first.
+        Requests whose values the gateway copied into the ring hold it: they are
+        given back before the next request unless the ring's half still has room
+        for it, so that a load never waits for ring room it holds itself.
+        ``proceed(values_so_far)``, asked before each further request, may stop
+        early. Returns how many leading values were copied completely: a request
+        whose room could not be given back cleanly is not counted (the gateway may
+        have reused its memory under the copy).
         """
-        assert keys_per_get > 0, keys_per_get
+        if keys_per_get <= 0 or in_flight_max <= 0:
+            raise ValueError(f"keys_per_get {keys_per_get} and in_flight_max {in_flight_max} must be positive")
         client = self._get_client()
         if client is None or not keys:
             return 0
-        held: tuple[GetBatch, Callable[[], None], int] | None = None
+        held: deque[tuple[GetBatch, Callable[[], None], int]] = deque()
+        ring_room = client.ring_bytes // 2
+        ring_per_get = 0
+        """The most ring bytes a request of this load took so far: what the next may take."""
         done = 0
+
+        def give_back_oldest() -> None:
+            """Wait for the oldest request's copies, then give its room back (it stays held if
+            that fails)."""
+            nonlocal done
+            batch, wait, end = held[0]
+            wait()
+            client.release(batch)
+            held.popleft()
+            done = end
+
         try:
             for start in range(0, len(keys), keys_per_get):
                 if start and proceed is not None and not proceed(start):
                     break
+                while held and (
+                    len(held) >= in_flight_max or sum(b.ring_bytes for b, _, _ in held) + ring_per_get > ring_room
+                ):
+                    give_back_oldest()
                 part = keys[start : start + keys_per_get]
                 batch = client.get(fingerprint, part)
+                ring_per_get = max(ring_per_get, batch.ring_bytes)
                 for j, view in enumerate(batch.views):
                     sink(start + j, view)
                     self.counters.loaded_bytes += view.nbytes
-                wait = flush()
-                if held is not None:
-                    held[1]()
-                    client.release(held[0])
-                    done = held[2]
-                held = (batch, wait, start + len(batch.views))
+                held.append((batch, flush(), start + len(batch.views)))
                 if len(batch.views) < len(part):
                     break
-            if held is not None:
-                held[1]()
-                client.release(held[0])
-                done, held = held[2], None
+            while held:
+                give_back_oldest()
         except GatewayError as err:
-            if held is not None:
-                held[1]()  # Copies in flight finish before anything else touches that memory.
-                if isinstance(err, GatewayRefused):  # The connection still works.
-                    with contextlib.suppress(GatewayError):
-                        client.release(held[0])
-                        done = held[2]
+            if isinstance(err, GatewayRefused):  # The connection still works: give their room back.
+                with contextlib.suppress(GatewayError):
+                    while held:
+                        give_back_oldest()
+            for _, wait, _ in held:
+                wait()  # Copies in flight finish before anything else touches that memory.
             self._failed(err)
         self.counters.loaded_chunks += done
         return done

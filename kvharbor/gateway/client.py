@@ -170,6 +170,9 @@ class GetBatch:
     batch: int
     views: list[memoryview]
     """The values of the leading hits, in key order; valid until `release`."""
+    ring_bytes: int = 0
+    """Of their bytes, those the gateway copied into the shared ring (the rest are served in
+    place from a RAM tier): ring room this batch holds until `release`."""
 
 
 class GatewayClient:
@@ -334,10 +337,16 @@ class GatewayClient:
         ready = self._call(p.Get(fingerprint, list(keys)), p.GetReady)
         if len(ready.spans) > len(keys):
             raise self._fail(f"GET_READY has {len(ready.spans)} values for {len(keys)} keys")
-        return GetBatch(ready.batch, [self._span(offset, size) for offset, size in ready.spans])
+        views = [self._span(offset, size) for offset, size in ready.spans]
+        return GetBatch(ready.batch, views, sum(size for offset, size in ready.spans if offset < self.ring_bytes))
 
     def release(self, batch: GetBatch) -> None:
         self._call(p.Release(batch.batch), p.Released)
+
+    @property
+    def ring_bytes(self) -> int:
+        """The size of the segment's ring, shared by every client's transfers in flight."""
+        return self.hello.ring_bytes
 
     def purge(self, selection: PurgeFilter, apply: bool) -> PurgeReport:
         """Empty what ``selection`` names from every tier (``apply``), or say what would go."""

@@ -117,6 +117,11 @@ def _tiers(*tiers: dict[str, Any]) -> dict[str, Any]:
             {"engine": {"load_start_wait_ms": "nan"}}, ["engine.load_start_wait_ms", "finite"], id="nan start wait"
         ),
         pytest.param(
+            {"engine": {"loads_in_flight_max": 0}},
+            ["engine.loads_in_flight_max", "greater than 0"],
+            id="no load in flight",
+        ),
+        pytest.param(
             _tiers(
                 {"name": "ram", "type": "ram", "capacity_gb": 1},
                 {"name": "ram", "type": "file", "path": "/x", "capacity_gb": 1},

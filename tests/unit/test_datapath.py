@@ -62,7 +62,9 @@ def make_copy(
 ) -> PageCopy:
     if backend == "host":
         return HostCopy(tensors, BLOCKS, PER_CHUNK, load_batch_bytes, groups)
-    return DeviceCopy(tensors, BLOCKS, PER_CHUNK, load_batch_bytes, save_staging_bytes_max, groups)
+    # Three load requests under way over the two staging slots: a slot is reused while the
+    # request that used it before is still held.
+    return DeviceCopy(tensors, BLOCKS, PER_CHUNK, load_batch_bytes, save_staging_bytes_max, groups, 3)
 
 
 def stored_block(backend: str, t: torch.Tensor, b: int) -> bytes:
@@ -297,12 +299,25 @@ def test_step_timer_on_cpu() -> None:
 class FakeClient:
     """Serves GETs from a dict of values; records the order of waits and releases."""
 
-    def __init__(self, values: dict[bytes, bytes], events: list[str], fail_get: int | None = None) -> None:
+    def __init__(
+        self,
+        values: dict[bytes, bytes],
+        events: list[str],
+        fail_get: int | None = None,
+        ring_bytes: int = 1 << 30,
+        in_ring: bool = False,
+    ) -> None:
+        """``in_ring``: values are served through the ring (from a tier outside shared memory)."""
         self.values = values
         self.events = events
         self.fail_get = fail_get
         self.gets = 0
         self.segment = None
+        self.ring_bytes = ring_bytes
+        self.in_ring = in_ring
+        self.held: set[int] = set()
+        self.held_most = 0
+        self.refuse_release: int | None = None
 
     def get(self, fingerprint: bytes, keys: list[bytes]) -> GetBatch:
         self.gets += 1
@@ -314,9 +329,15 @@ class FakeClient:
                 break
             views.append(memoryview(bytearray(self.values[key])))
         self.events.append(f"get{self.gets}")
-        return GetBatch(self.gets, views)
+        self.held.add(self.gets)
+        self.held_most = max(self.held_most, len(self.held))
+        return GetBatch(self.gets, views, sum(v.nbytes for v in views) if self.in_ring else 0)
 
     def release(self, batch: GetBatch) -> None:
+        if batch.batch == self.refuse_release:
+            self.events.append(f"refused{batch.batch}")
+            raise GatewayRefused(ErrorCode.BUSY, "busy")
+        self.held.remove(batch.batch)
         self.events.append(f"release{batch.batch}")
 
     def close(self) -> None:
@@ -324,7 +345,11 @@ class FakeClient:
 
 
 def streamed(
-    client: FakeClient, keys: list[bytes], per_get: int, proceed: Callable[[int], bool] | None = None
+    client: FakeClient,
+    keys: list[bytes],
+    per_get: int,
+    proceed: Callable[[int], bool] | None = None,
+    in_flight_max: int = 2,
 ) -> tuple[int, list[int], CacheLink]:
     link = CacheLink(Config(), "test", connect=lambda c, n: client, switch=RankSwitch())  # type: ignore[arg-type,return-value]
     sunk: list[int] = []
@@ -334,7 +359,7 @@ def streamed(
         n = next(flushes)
         return lambda: client.events.append(f"wait{n}")
 
-    done = link.load_streamed(b"f" * 16, keys, per_get, lambda i, v: sunk.append(i), flush, proceed)
+    done = link.load_streamed(b"f" * 16, keys, per_get, lambda i, v: sunk.append(i), flush, proceed, in_flight_max)
     return done, sunk, link
 
 
@@ -349,6 +374,32 @@ def test_load_streamed_overlaps_and_releases_after_the_wait() -> None:
     # Request n+1 is asked for before request n's copies are waited for and its room given back.
     assert events == ["get1", "get2", "wait1", "release1", "get3", "wait2", "release2", "wait3", "release3"]
     assert link.counters.loaded_chunks == 7
+
+
+def test_load_streamed_queues_up_to_in_flight_max_requests_and_gives_them_back_oldest_first() -> None:
+    events: list[str] = []
+    client = FakeClient({k: b"x" * 8 for k in KEYS}, events)
+    done, sunk, _ = streamed(client, KEYS, 2, in_flight_max=3)
+    assert done == 7 and sunk == list(range(7)) and client.held_most == 3 and not client.held
+    # Three requests are under way before the first one's copies are waited for.
+    assert events[:5] == ["get1", "get2", "get3", "wait1", "release1"]
+    assert events[5:] == ["get4", "wait2", "release2", "wait3", "release3", "wait4", "release4"]
+    events.clear()
+    client = FakeClient({k: b"x" * 8 for k in KEYS}, events)
+    streamed(client, KEYS, 2, in_flight_max=1)
+    assert client.held_most == 1 and events[:4] == ["get1", "wait1", "release1", "get2"]
+
+
+def test_load_streamed_holds_at_most_half_the_ring_with_values_copied_into_it() -> None:
+    # Values of 8 bytes, two per request: a request takes 16 bytes of the ring.
+    events: list[str] = []
+    client = FakeClient({k: b"x" * 8 for k in KEYS}, events, ring_bytes=64, in_ring=True)
+    done, _, _ = streamed(client, KEYS, 2, in_flight_max=8)
+    assert done == 7 and client.held_most == 2  # 2 x 16 bytes: the ring's half, 32 bytes.
+    events.clear()
+    client = FakeClient({k: b"x" * 8 for k in KEYS}, events, ring_bytes=64)  # Served in place.
+    streamed(client, KEYS, 2, in_flight_max=8)
+    assert client.held_most == 4  # Every request of the load at once: the ring is not used.
 
 
 def test_load_streamed_stops_at_the_first_miss_and_when_told() -> None:
@@ -367,6 +418,20 @@ def test_load_streamed_after_a_refusal_keeps_what_was_copied() -> None:
     client.error = GatewayRefused(ErrorCode.BUSY, "busy")  # type: ignore[attr-defined]
     done, _, link = streamed(client, KEYS, 3)
     assert done == 3 and events == ["get1", "wait1", "release1"] and not link.is_off
+
+
+def test_load_streamed_waits_for_every_copy_under_way_when_a_release_is_refused() -> None:
+    events: list[str] = []
+    client = FakeClient({k: b"x" for k in KEYS}, events)
+    client.refuse_release = 2
+    done, _, link = streamed(client, KEYS, 2, in_flight_max=3)
+    # Request 2's room was not given back: neither it nor what follows counts, and the copies
+    # of requests 3 and 4, under way, finish before the load returns.
+    assert done == 2 and not link.is_off
+    loaded = ["wait1", "release1", "get4"]
+    refused = ["wait2", "refused2", "wait2", "refused2"]  # Given back once more as the load ends.
+    in_flight = ["wait2", "wait3", "wait4"]  # Waits are idempotent: request 2's copies were done.
+    assert events[3:] == loaded + refused + in_flight
 
 
 def test_load_streamed_after_a_lost_gateway_counts_nothing_in_flight() -> None:

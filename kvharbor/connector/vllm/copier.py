@@ -63,8 +63,9 @@ class PageCopy(Protocol):
     chunks_per_load: int
     """Chunks asked of the gateway per load request (flush after at most this many)."""
     loads_queued_max: int
-    """Load requests whose copies can be under way at once (a further `flush_load` waits for
-    the first of them): a restore is fully under way once this many were flushed."""
+    """Load requests whose copies can be under way at once (the loader holds at most this many
+    of the gateway's: `CacheLink.load_streamed`): a restore is fully under way once this many
+    were flushed."""
     snapshots_saves: bool
     """True: `StepSave.close` leaves the step's pages copied into staging of the save's own,
     so the saver thread may fill shared memory later. False: the pages are read from the

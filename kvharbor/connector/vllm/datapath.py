@@ -5,8 +5,8 @@ One algorithm for a cache in host memory and one on a GPU, over a `copier.PageCo
 - **loads**: plan which blocks of which stored chunk go where (`chunks`),
   stage each chunk the gateway hands over, flush after every request of
   ``chunks_per_load`` chunks (``engine.load_batch_mb``), wait for a request's
-  copies only after the gateway has read the next one
-  (`CacheLink.load_streamed`). A ``proceed`` policy may stop a load between
+  copies only once ``loads_queued_max`` requests are under way
+  (`CacheLink.load_streamed`; ``engine.loads_in_flight_max`` on a GPU). A ``proceed`` policy may stop a load between
   requests (the worker's load cut).
 - **saves**: plan the step's chunks, open a save before the forward pass
   writes its first layer, gather layer by layer as the forward reports them
@@ -242,6 +242,7 @@ class DataPath:
             sink,
             flush,
             go_on,
+            copy.loads_queued_max,
         )
         restored = min(chunks, len(accepted))
         self._count(loaded_chunks=restored, loaded_bytes=restored * size)

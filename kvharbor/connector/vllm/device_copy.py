@@ -41,11 +41,14 @@ from kvharbor.connector.vllm.pages import PageLayers, block_major
 from kvharbor.connector.vllm.pinning import PinnedMapping
 from kvharbor.connector.vllm.streams import Event, engine_stream, new_stream, synchronize
 
+LOAD_SLOTS = 2
+"""Device staging slots of loads: one is copied in while the other is scattered (the copy
+stream waits for a slot's scatter before its next copy, so any number of requests may be
+queued over two)."""
+
 
 class DeviceCopy:
     snapshots_saves = True
-    loads_queued_max = 2
-    """The two staging slots: one is copied in while the other is scattered."""
 
     def __init__(
         self,
@@ -55,14 +58,19 @@ class DeviceCopy:
         load_batch_bytes: int,
         save_staging_bytes_max: int,
         groups: Sequence[int] | None = None,
+        loads_in_flight_max: int = 2,
     ) -> None:
         """``load_batch_bytes``: bytes asked of the gateway per load request, and the size of each
-        of the two device staging slots loads pass through (one is copied in while the other is
-        scattered). ``save_staging_bytes_max``: device memory that saves still waiting for their
+        of the two device staging slots loads pass through (`LOAD_SLOTS`).
+        ``save_staging_bytes_max``: device memory that saves still waiting for their
         device-to-host copy may hold (at least one chunk). ``groups``: each tensor's KV cache
-        group (None: one group)."""
-        if blocks_per_chunk <= 0:
-            raise ValueError(f"blocks_per_chunk {blocks_per_chunk} must be positive")
+        group (None: one group). ``loads_in_flight_max``: load requests whose copies may be
+        queued at once (``engine.loads_in_flight_max``)."""
+        if blocks_per_chunk <= 0 or loads_in_flight_max <= 0:
+            raise ValueError(
+                f"blocks_per_chunk {blocks_per_chunk} and loads_in_flight_max {loads_in_flight_max} must be positive"
+            )
+        self.loads_queued_max = loads_in_flight_max
         self.pages = PageLayers.of(tensors, num_blocks, block_major, groups)
         self.blocks_per_chunk = blocks_per_chunk
         self.chunks_per_load = load_request_chunks(load_batch_bytes, self.chunk_bytes)
@@ -73,7 +81,7 @@ class DeviceCopy:
         self.gathers = new_stream(self.device)
         self.d2h = new_stream(self.device)
         self._slots: list[torch.Tensor] = []
-        self._slot_free: list[Event | None] = [None] * self.loads_queued_max
+        self._slot_free: list[Event | None] = [None] * LOAD_SLOTS
         self._next_slot = 0
         self._stage = LoadStage(self)
         self._layer_ready: list[Event] = []
@@ -102,7 +110,7 @@ class DeviceCopy:
             return
         nbytes = self.chunks_per_load * self.chunk_bytes
         try:
-            slots = range(self.loads_queued_max)
+            slots = range(LOAD_SLOTS)
             self._slots = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in slots]
         except torch.OutOfMemoryError:
             self._slots = []

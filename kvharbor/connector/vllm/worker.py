@@ -256,7 +256,13 @@ class WorkerSide:
         engine = self.config.engine
         if on_gpu:
             copy: PageCopy = DeviceCopy(
-                tensors, num_blocks, blocks_per_chunk, engine.load_batch_bytes, engine.save_staging_bytes_max, indices
+                tensors,
+                num_blocks,
+                blocks_per_chunk,
+                engine.load_batch_bytes,
+                engine.save_staging_bytes_max,
+                indices,
+                engine.loads_in_flight_max,
             )
         else:
             copy = HostCopy(tensors, num_blocks, blocks_per_chunk, engine.load_batch_bytes, indices)
