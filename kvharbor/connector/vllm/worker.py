@@ -139,8 +139,8 @@ class _Underway:
         self._event.set()
 
     def wait(self, timeout_s: float) -> None:
-        if timeout_s > 0:
-            self._event.wait(timeout_s)
+        """Wait at most ``timeout_s`` (0: not at all)."""
+        self._event.wait(timeout_s)
 
 
 @dataclass(frozen=True, slots=True)
