@@ -7,29 +7,19 @@
 # KVHARBOR__ENGINE__LOADS_IN_FLIGHT_MAX=2 (one request per staging slot: the behaviour before)
 # and 8; each run's logs packed into one archive (at most 8 files come back). reverse: the same
 # in the other order (8 first), on another host, to tell the setting from the host's drift.
-# deeper: 2, 8 and 16 (ran on the host of reverse, which stayed up).
+# deeper: 2, 8 and 16 (ran on the host of reverse, which stayed up). The runs go through
+# ../gpu-h200-2026-12-04-startwait/lease.sh restart (shared after these leases ran, the same commands).
 set -uo pipefail
 step=$1
 here=$(dirname "$0")
-export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1
-export PYTHONPATH=$HOME/kvh:$HOME/site
 restart() {  # restart TAG DEPTH: the service-mode restart with engine.loads_in_flight_max = DEPTH.
-  mkdir -p $OUT/$1
-  KVHARBOR__ENGINE__LOADS_IN_FLIGHT_MAX=$2 timeout 260 python3 bench/gpu.py restart --phases service \
-    --model /tmp/kvh-llama31-8b --engine-timeout 240 --out $OUT/$1 2>&1 | tee $OUT/$1/restart.log \
-    | grep -E 'breakdown|restored' | tail -6
-  tar -czf $OUT/$1.tar.gz -C $OUT --exclude '*.json.gz' $1 && rm -rf $OUT/$1
+  bash "$here/../gpu-h200-2026-12-04-startwait/lease.sh" restart "$1" KVHARBOR__ENGINE__LOADS_IN_FLIGHT_MAX=$2
 }
+install() { bash "$here/../gpu-h200-2026-12-04-xxhash/lease.sh" sha256-install; }
 case $step in
 p0|p1|p2|p3|p4|p5) exec bash "$here/../gpu-h200-2026-12-02-early-load/lease.sh" "$step" ;;
-go)
-  bash "$here/../gpu-h200-2026-12-04-xxhash/lease.sh" sha256-install || exit 1
-  restart depth2 2; restart depth8 8 ;;
-reverse)
-  bash "$here/../gpu-h200-2026-12-04-xxhash/lease.sh" sha256-install || exit 1
-  restart depth8 8; restart depth2 2 ;;
-deeper)
-  bash "$here/../gpu-h200-2026-12-04-xxhash/lease.sh" sha256-install || exit 1
-  restart depth2 2; restart depth8 8; restart depth16 16 ;;
+go) install || exit 1; restart depth2 2; restart depth8 8 ;;
+reverse) install || exit 1; restart depth8 8; restart depth2 2 ;;
+deeper) install || exit 1; restart depth2 2; restart depth8 8; restart depth16 16 ;;
 *) echo "unknown step $step"; exit 2 ;;
 esac
