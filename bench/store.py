@@ -22,6 +22,9 @@ reference come from the same stretch of time):
 - file tier ``put`` with ``direct_writes`` (the payload written with O_DIRECT
   from where it lies, page-aligned) beside the same reference:
   ``file_put_best_vs_raw_write`` is the faster of the two puts;
+- the same ``direct_writes`` put handed the value's checksum, as the gateway hands a
+  lower tier the checksum its writer sent (``file_put_checksum_known``): the put then
+  skips its own hash pass over the value;
 - file tier ``get`` beside a raw read of the same file into a preallocated
   buffer, all from the page cache, timed two ways and the faster counts:
   ``readinto``, and a copy out of an ``mmap`` of the file (the faster here:
@@ -72,7 +75,7 @@ from common import best_seconds_interleaved, emit
 from s3 import s3_ratios, s3_server, s3_works
 
 from kvharbor.cache.assembly import open_store
-from kvharbor.cache.format import HEADER_BYTES
+from kvharbor.cache.format import HEADER_BYTES, checksum
 from kvharbor.cache.keys import LayoutFingerprint
 from kvharbor.cache.store import TieredStore
 from kvharbor.config import MIB, validate_config
@@ -243,6 +246,13 @@ def main() -> None:
             device.direct_writes = True
             assert local.write(next(keys), fingerprint, value, pinned)
 
+        value_checksum = checksum(value)  # What the value's writer sends the gateway with it.
+        writes_direct = takes_direct_io(directory)
+
+        def file_put_checksum_known() -> None:
+            device.direct_writes = writes_direct
+            assert local.write(next(keys), fingerprint, value, pinned, value_checksum=value_checksum)
+
         def file_get() -> None:
             assert local.read(stored, fingerprint, reuse) is not None
 
@@ -272,6 +282,7 @@ def main() -> None:
             {
                 "file_put": file_put,
                 **({"file_put_direct": file_put_direct} if takes_direct_io(directory) else {}),
+                "file_put_checksum_known": file_put_checksum_known,
                 **raw_writes,
                 "file_get": file_get,
                 **raw_reads,
@@ -326,6 +337,7 @@ def main() -> None:
         "file_put_vs_raw_write": seconds["raw_write"] / seconds["file_put"],
         "file_put_best_vs_raw_write": seconds["raw_write"]
         / min(seconds["file_put"], seconds.get("file_put_direct", 1e9)),
+        "file_put_checksum_known_vs_raw_write": seconds["raw_write"] / seconds["file_put_checksum_known"],
         "file_get_vs_raw_read": seconds["raw_read"] / seconds["file_get"],
         "file_get_cold_vs_raw_read_cold": seconds["raw_read_cold"] / seconds["file_get_cold"],
         "file_get_cold_buffered_vs_raw_read_cold": seconds["raw_read_cold"] / seconds["file_get_cold_buffered"],

@@ -219,15 +219,23 @@ class TieredStore:
 
     # -- updates -----------------------------------------------------------
 
-    def put(self, key: bytes, fingerprint: bytes, value: Buffer, pinned: frozenset[bytes] = frozenset()) -> bool:
+    def put(
+        self,
+        key: bytes,
+        fingerprint: bytes,
+        value: Buffer,
+        pinned: frozenset[bytes] = frozenset(),
+        value_checksum: int | None = None,
+    ) -> bool:
         """Store ``value`` under ``key``; True if at least one tier took it.
 
         ``pinned`` keys are not evicted to make room (the caller's own chunks).
+        ``value_checksum``: the value's checksum when the caller has it (see `Tier.write`).
         """
         targets = self.tiers if self.write_policy == "write_through" else self.tiers[:1]
         stored = False
         for tier in targets:
-            stored |= self._write_tier(tier, key, fingerprint, value, pinned)
+            stored |= self._write_tier(tier, key, fingerprint, value, pinned, value_checksum=value_checksum)
         return stored
 
     def reserve(
@@ -252,7 +260,10 @@ class TieredStore:
         stored = False
         if self.write_policy == "write_through":
             for tier in self.tiers[1:]:
-                stored |= self._write_tier(tier, reservation.key, reservation.fingerprint, reservation.payload, pinned)
+                stored |= self._write_tier(
+                    tier, reservation.key, reservation.fingerprint, reservation.payload, pinned,
+                    value_checksum=value_checksum,
+                )  # fmt: skip
         return first.complete(reservation, pinned, self._on_evict(first), value_checksum) or stored
 
     def abandon(self, reservation: Reservation) -> None:
@@ -328,20 +339,33 @@ class TieredStore:
         value: Buffer,
         pinned: frozenset[bytes] = frozenset(),
         owned: bool = False,
+        value_checksum: int | None = None,
     ) -> bool:
         """Write ``tier`` now, or queue the write when it is written asynchronously (True:
         queued). ``owned``: ``value`` is a copy of the caller's to give away (see
-        `WriteQueue.offer`); a queued write keeps only its own key from eviction."""
+        `WriteQueue.offer`); a queued write keeps only its own key from eviction.
+        ``value_checksum``: the value's checksum when the caller has it (see `Tier.write`)."""
         queue = self.queues.get(tier.name)
         if queue is not None:
-            return queue.offer(key, fingerprint, value, owned)
-        return self._write_now(tier, key, fingerprint, value, pinned)
+            return queue.offer(key, fingerprint, value, owned, value_checksum)
+        return self._write_now(tier, key, fingerprint, value, value_checksum, pinned)
 
     def _write_now(
-        self, tier: Tier, key: bytes, fingerprint: bytes, value: Buffer, pinned: frozenset[bytes] = frozenset()
+        self,
+        tier: Tier,
+        key: bytes,
+        fingerprint: bytes,
+        value: Buffer,
+        value_checksum: int | None = None,
+        pinned: frozenset[bytes] = frozenset(),
     ) -> bool:
         return tier.write(
-            key, fingerprint, value, pinned if key in pinned else pinned | {bytes(key)}, self._on_evict(tier)
+            key,
+            fingerprint,
+            value,
+            pinned if key in pinned else pinned | {bytes(key)},
+            self._on_evict(tier),
+            value_checksum=value_checksum,
         )
 
     def _on_evict(self, tier: Tier) -> Callable[[Sequence[Entry]], None] | None:

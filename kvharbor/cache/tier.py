@@ -413,8 +413,13 @@ class Tier:
         pinned: frozenset[bytes] = frozenset(),
         on_evict: Callable[[Sequence[Entry]], None] | None = None,
         behind: bool = False,
+        value_checksum: int | None = None,
     ) -> bool:
         """Store ``value``; True if stored.
+
+        ``value_checksum`` is `kvharbor.cache.format.checksum` of ``value`` when the caller
+        has it (its writer took it while the bytes were in its cache): a full pass over the
+        value saved. A wrong one costs only this value: its reads fail their check, a miss.
 
         Entries evicted to make room are first handed to ``on_evict`` while
         their bytes are still on the device (write-back demotes them from
@@ -438,7 +443,7 @@ class Tier:
             with self.metrics.duration[TierOp.PUT].time():
                 stored = self._stored_fingerprint(fingerprint)
                 namespace = self.namespaces.tag(fingerprint)
-                return self._write_encoded(key, stored, namespace, value, pinned, on_evict, behind)
+                return self._write_encoded(key, stored, namespace, value, pinned, on_evict, behind, value_checksum)
 
     def _write_encoded(
         self,
@@ -449,6 +454,7 @@ class Tier:
         pinned: frozenset[bytes],
         on_evict: Callable[[Sequence[Entry]], None] | None,
         behind: bool,
+        value_checksum: int | None,
     ) -> bool:
         """`write`'s body, run under the breaker's attempt."""
         if behind and self.contains([key])[0]:
@@ -457,7 +463,7 @@ class Tier:
             return False
         try:
             parts = encode(
-                key, fingerprint, value, self.codec, self.device.max_value_bytes, namespace=namespace,
+                key, fingerprint, value, self.codec, self.device.max_value_bytes, value_checksum, namespace,
                 observe=self._encoded,
             )  # fmt: skip
         except ValueError as err:

@@ -37,8 +37,8 @@ from kvharbor.telemetry.metrics import TierMetrics
 
 _log = get_logger("kvharbor.cache.writequeue")
 
-Write = Callable[[bytes, bytes, memoryview], bool]
-"""Writes one value to the queue's tier: (key, fingerprint, value) -> stored."""
+Write = Callable[[bytes, bytes, memoryview, int | None], bool]
+"""Writes one value to the queue's tier: (key, fingerprint, value, its checksum if known) -> stored."""
 Delete = Callable[[Sequence[bytes]], None]
 
 
@@ -72,12 +72,14 @@ class WriteQueueStatus:
 class _Write:
     """One queued value. Identity matters: a newer write of the key replaces it."""
 
-    __slots__ = ("cancelled", "fingerprint", "key", "value")
+    __slots__ = ("cancelled", "checksum", "fingerprint", "key", "value")
 
-    def __init__(self, key: bytes, fingerprint: bytes, value: memoryview) -> None:
+    def __init__(self, key: bytes, fingerprint: bytes, value: memoryview, checksum: int | None) -> None:
         self.key = key
         self.fingerprint = fingerprint
         self.value = value
+        self.checksum = checksum
+        """The value's `kvharbor.cache.format.checksum` when its writer took it (None: the tier takes it)."""
         self.cancelled = False
         """Deleted while being written: delete it again once it lands."""
 
@@ -119,17 +121,20 @@ class WriteQueue:
 
     # -- the store's side ---------------------------------------------------
 
-    def offer(self, key: bytes, fingerprint: bytes, value: Buffer, owned: bool = False) -> bool:
+    def offer(
+        self, key: bytes, fingerprint: bytes, value: Buffer, owned: bool = False, value_checksum: int | None = None
+    ) -> bool:
         """Queue ``value`` for the tier; False (counted, said once) when the queue is full or
         closing. ``owned``: ``value`` is the caller's to give away (a copy nobody else
-        writes, a demoted value read out of the tier above), else it is copied here."""
+        writes, a demoted value read out of the tier above), else it is copied here.
+        ``value_checksum``: its checksum when the caller has it (see `Tier.write`)."""
         view = memoryview(value).cast("B")
         with self._cond:
             if not self._has_room(view.nbytes):
                 self._dropped()
                 return False
         # Copied outside the lock: a large copy must not hold up the workers and other writers.
-        item = _Write(bytes(key), bytes(fingerprint), view if owned else memoryview(bytes(view)))
+        item = _Write(bytes(key), bytes(fingerprint), view if owned else memoryview(bytes(view)), value_checksum)
         with self._cond:
             if not self._has_room(view.nbytes):  # Others filled it during the copy.
                 self._dropped()
@@ -220,7 +225,7 @@ class WriteQueue:
     def _serve(self) -> None:
         while (item := self._next()) is not None:
             try:
-                self._write(item.key, item.fingerprint, item.value)
+                self._write(item.key, item.fingerprint, item.value, item.checksum)
             except Exception as err:  # A bug below must cost this write, not the worker.
                 self._once.say(f"bug:{self.tier_name}", f"tier '{self.tier_name}': a queued write failed: {err!r}")
             self._metrics.async_flushed()

@@ -263,7 +263,9 @@ class Transfers:
                     # Used up, stored or not.
                     done = self.store.complete(reservation, pinned, known.get(offset))
                 else:
-                    done = self.store.put(key, batch.fingerprint, view[offset : offset + size], pinned)
+                    done = self.store.put(
+                        key, batch.fingerprint, view[offset : offset + size], pinned, known.get(offset)
+                    )
                 if done:
                     stored += 1
                     stored_bytes += size

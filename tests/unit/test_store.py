@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import pytest
 
+from kvharbor.cache import format as format_module
 from kvharbor.cache.assembly import open_store
 from kvharbor.cache.breaker import BreakerSettings, BreakerState, CircuitBreaker
 from kvharbor.cache.format import HEADER_BYTES
@@ -165,6 +166,28 @@ def test_write_through_writes_every_tier() -> None:
     key, value = new_key(), new_value()
     assert store.put(key, FINGERPRINT, value)
     assert all(held(tier, key) for tier in store.tiers)
+
+
+def test_a_put_with_its_checksum_known_stores_it_in_every_tier_without_hashing_it_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    store = two_tiers("write_through")
+    key, value = new_key(), new_value()
+    hashed: list[int] = []
+    real = format_module.checksum
+    monkeypatch.setattr(format_module, "checksum", lambda data: hashed.append(len(data)) or real(data))
+    assert store.put(key, FINGERPRINT, value, value_checksum=real(value))
+    assert VALUE_BYTES not in hashed, "a tier hashed the value whose checksum it was given"
+    for tier in store.tiers:
+        assert bytes(tier.read(key, FINGERPRINT) or b"") == value, tier.name
+
+
+def test_a_wrong_known_checksum_costs_its_value_a_miss_never_a_wrong_read() -> None:
+    store = two_tiers("write_through")
+    key, value = new_key(), new_value()
+    assert store.put(key, FINGERPRINT, value, value_checksum=format_module.checksum(value) ^ 1)
+    assert read(store, key) is None
+    assert [tier.counters.corrupt for tier in store.tiers] == [1, 1]
 
 
 def test_write_back_demotes_what_the_upper_tier_evicts() -> None:

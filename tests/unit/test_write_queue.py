@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvharbor.cache.assembly import open_store
 from kvharbor.cache.breaker import BreakerSettings, CircuitBreaker
-from kvharbor.cache.format import HEADER_BYTES, Codec
+from kvharbor.cache.format import HEADER_BYTES, Codec, checksum
 from kvharbor.cache.index import MemoryIndex
 from kvharbor.cache.keys import ChunkKey, LayoutFingerprint
 from kvharbor.cache.store import AsyncWrites, TieredStore, WritePolicy
@@ -138,6 +138,21 @@ def test_a_put_returns_before_the_slow_tier_has_it_and_the_tier_gets_it_from_the
     assert bytes(rig.lower.read(key, FINGERPRINT) or b"") == value
     counts = rig.lower.counters
     assert (counts.puts, counts.async_flushed, counts.async_dropped) == (1, 1, 0)
+
+
+def test_a_queued_write_keeps_the_checksum_its_writer_gave(rig: Rig) -> None:
+    """The slow tier stores the checksum it was given with the value (a wrong one, to see
+    it): its copy then fails its check on a read, while the first tier's did too."""
+    key, value = new_key(), os.urandom(VALUE_BYTES)
+    assert rig.store.put(key, FINGERPRINT, value, value_checksum=checksum(value) ^ 1)
+    settled(rig.store)
+    assert held(rig.lower, key)
+    assert rig.lower.read(key, FINGERPRINT) is None
+    assert rig.lower.counters.corrupt == 1
+    good = new_key()
+    assert rig.store.put(good, FINGERPRINT, value, value_checksum=checksum(value))
+    settled(rig.store)
+    assert bytes(rig.lower.read(good, FINGERPRINT) or b"") == value
 
 
 def test_the_queue_copies_a_value_whose_buffer_is_reused_meanwhile(rig: Rig) -> None:
