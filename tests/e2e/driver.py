@@ -45,12 +45,20 @@ import signal
 import socket
 import struct
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
+_EMITTING = threading.Lock()
+
 
 def emit(record: dict[str, Any]) -> None:
-    print("E2E " + json.dumps(record), flush=True)
+    """One whole ``E2E`` line. Records come from several threads (a saver thread's beside
+    the main thread's), and ``print`` writes the line and its newline apart: two records
+    could then share one line."""
+    with _EMITTING:
+        sys.stdout.write("E2E " + json.dumps(record) + "\n")
+        sys.stdout.flush()
 
 
 def metrics(llm: Any) -> dict[str, float]:
