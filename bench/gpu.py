@@ -163,7 +163,10 @@ def bench_raw(args: argparse.Namespace) -> None:
     blocks = 2 * chunks * PER_CHUNK + 64
     tensors = kv_tensors(blocks)
     engine = EngineSection()
-    pages = DeviceCopy(tensors, blocks, PER_CHUNK, engine.load_batch_bytes, engine.save_staging_bytes_max)
+    pages = DeviceCopy(
+        tensors, blocks, PER_CHUNK, engine.load_batch_bytes, engine.save_staging_bytes_max, None,
+        engine.loads_in_flight_max,
+    )  # fmt: skip
     size = pages.chunk_bytes
     total = chunks * size
     perm = torch.randperm(blocks - 1)[: 2 * chunks * PER_CHUNK].add_(1).tolist()
@@ -308,7 +311,10 @@ def bench_gateway(args: argparse.Namespace) -> None:
     blocks = 2 * chunks * PER_CHUNK + 64
     tensors = kv_tensors(blocks)
     engine = EngineSection()  # The data path's defaults: what an engine runs with.
-    pages = DeviceCopy(tensors, blocks, PER_CHUNK, engine.load_batch_bytes, engine.save_staging_bytes_max)
+    pages = DeviceCopy(
+        tensors, blocks, PER_CHUNK, engine.load_batch_bytes, engine.save_staging_bytes_max, None,
+        engine.loads_in_flight_max,
+    )  # fmt: skip
     size = pages.chunk_bytes
     work = Path(f"/tmp/kvh-bench-gw-{os.getpid()}")
     work.mkdir(parents=True, exist_ok=True)

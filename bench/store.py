@@ -234,6 +234,7 @@ def main() -> None:
 
         device = local.device
         assert isinstance(device, FileDevice)
+        direct = takes_direct_io(directory)
 
         def file_put() -> None:
             device.direct_writes = False
@@ -247,10 +248,9 @@ def main() -> None:
             assert local.write(next(keys), fingerprint, value, pinned)
 
         value_checksum = checksum(value)  # What the value's writer sends the gateway with it.
-        writes_direct = takes_direct_io(directory)
 
         def file_put_checksum_known() -> None:
-            device.direct_writes = writes_direct
+            device.direct_writes = direct
             assert local.write(next(keys), fingerprint, value, pinned, value_checksum=value_checksum)
 
         def file_get() -> None:
@@ -261,7 +261,7 @@ def main() -> None:
 
         counter = itertools.count()
         raw_writes = {"raw_write_buffered": lambda: raw_write(directory, value, counter)}
-        if takes_direct_io(directory):
+        if direct:
             aligned = memoryview(mmap.mmap(-1, size))  # Page-aligned, as O_DIRECT needs.
             aligned[:] = value
             raw_writes["raw_write_direct"] = lambda: raw_write(directory, aligned, counter, os.O_DIRECT)
@@ -281,7 +281,7 @@ def main() -> None:
         seconds = best_seconds_interleaved(
             {
                 "file_put": file_put,
-                **({"file_put_direct": file_put_direct} if takes_direct_io(directory) else {}),
+                **({"file_put_direct": file_put_direct} if direct else {}),
                 "file_put_checksum_known": file_put_checksum_known,
                 **raw_writes,
                 "file_get": file_get,
@@ -291,7 +291,6 @@ def main() -> None:
             },
             args.repeats,
         )
-        direct = takes_direct_io(directory)
 
         def file_get_cold(cold_reads_direct: bool) -> Callable[[], None]:
             def work() -> None:

@@ -225,8 +225,8 @@ class CacheLink:
         keys_per_get: int,
         sink: Callable[[int, memoryview], None],
         flush: Callable[[], Callable[[], None]],
-        proceed: Callable[[int], bool] | None = None,
-        in_flight_max: int = 2,
+        proceed: Callable[[int], bool] | None,
+        in_flight_max: int,
     ) -> int:
         """`load` in requests of ``keys_per_get`` keys, for copies that finish later (DMA).
 

@@ -242,7 +242,7 @@ def test_wrong_sizes_and_blocks_past_a_chunk_are_refused(backend: str) -> None:
 
 
 def test_device_save_staging_is_bounded() -> None:
-    copy = DeviceCopy(layers(), BLOCKS, PER_CHUNK, 1, save_staging_bytes_max=1)
+    copy = DeviceCopy(layers(), BLOCKS, PER_CHUNK, 1, save_staging_bytes_max=1, groups=None, loads_in_flight_max=2)
     size = copy.chunk_bytes
     assert copy.save_staging_bytes_max == size  # at least one chunk
     first = copy.open_save([[[1, 2, 3, 4]], [[5, 6, 7, 8]]], 5.0)
@@ -632,7 +632,7 @@ def test_a_step_that_waited_for_staging_is_not_a_prefill_sample() -> None:
         CacheLink(Config(), "load", connect=lambda c, n: None, switch=switch),  # type: ignore[arg-type,return-value]
         CacheLink(Config(), "save", connect=lambda c, n: None, switch=switch),  # type: ignore[arg-type,return-value]
     )
-    copy = DeviceCopy(layers(), BLOCKS, PER_CHUNK, 1, save_staging_bytes_max=1)
+    copy = DeviceCopy(layers(), BLOCKS, PER_CHUNK, 1, save_staging_bytes_max=1, groups=None, loads_in_flight_max=2)
     path, _ = data_path(Config(), copy, links=links)
     path.mappings = [Shm(copy.chunk_bytes).mapping, Shm(copy.chunk_bytes).mapping]
     meta = KVHarborMetadata(saves=[ChunkTransfer("r", [[b"k" * 16]], block_ids=[[1, 2, 3, 4]])])

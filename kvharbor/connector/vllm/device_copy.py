@@ -57,8 +57,8 @@ class DeviceCopy:
         blocks_per_chunk: int,
         load_batch_bytes: int,
         save_staging_bytes_max: int,
-        groups: Sequence[int] | None = None,
-        loads_in_flight_max: int = 2,
+        groups: Sequence[int] | None,
+        loads_in_flight_max: int,
     ) -> None:
         """``load_batch_bytes``: bytes asked of the gateway per load request, and the size of each
         of the two device staging slots loads pass through (`LOAD_SLOTS`).
