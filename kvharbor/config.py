@@ -101,6 +101,20 @@ class EngineSection(_Section):
     served in place from a RAM tier) hold at most half the ring between them. On a CPU each
     request is copied within the step, one at a time. Default 2 (one per staging slot): depths 8
     and 16 gave no end-to-end gain beyond the hosts' noise on an H200 (docs/performance.md)."""
+    load_layered_mb: int = Field(
+        2048, ge=0, le=65536, description="MiB at the end of a step's restore copied in layer by layer"
+    )
+    """The last requests of a step's restore (about this many MiB, whole ``load_batch_mb``
+    requests; the whole restore when it is smaller) are held in the gateway until all are
+    answered, then copied in one layer at a time: every chunk's pages of the first layer,
+    then of the next. The engine's forward pass starts once the gateway has answered, and
+    computes each layer as soon as that layer is in, while the later layers are still being
+    copied; the copies of a chunk-by-chunk restore end together, and the whole forward pass
+    would follow them. Enough to cover the forward pass of a long prompt's tail: 2 GiB take
+    ~39 ms at 55 GB/s, about that forward at 130,000 tokens on an H200. Only values the
+    gateway serves in place (a RAM tier) are held; values it copied into its ring stream
+    chunk by chunk. On a GPU at most as many chunks as fit a staging slot one layer at a
+    time. 0: every restore chunk by chunk."""
     save_staging_mb_max: int = Field(4096, gt=0, description="GPU memory saves waiting for their copy out may hold")
     """Past it a step waits up to ``save_staging_wait_ms`` for room (at least one chunk is always allowed)."""
     save_staging_wait_ms: int = Field(5000, ge=0, description="how long a step waits for save staging room")
@@ -120,6 +134,10 @@ class EngineSection(_Section):
     @property
     def load_batch_bytes(self) -> int:
         return self.load_batch_mb * MIB
+
+    @property
+    def load_layered_bytes(self) -> int:
+        return self.load_layered_mb * MIB
 
     @property
     def save_staging_bytes_max(self) -> int:

@@ -29,7 +29,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 from kvharbor.cache.keys import NAMESPACE_UNKNOWN
 from kvharbor.config import Config
@@ -42,6 +42,25 @@ from kvharbor.telemetry.log import PREFIX, OnceLog, get_logger
 _log = get_logger("kvharbor.connector")
 
 Connect = Callable[[Config, str], GatewayClient]
+
+
+class StreamCopies(Protocol):
+    """The copies of a streamed load (`CacheLink.load_streamed`), started request by request."""
+
+    def flush(self) -> Callable[[], None]:
+        """Start copying the values staged since the last flush or hold; the returned wait
+        blocks until they have read the shared memory."""
+
+    def hold(self) -> None:
+        """Keep the values staged since the last flush or hold for `flush_held`, uncopied."""
+
+    def flush_held(self) -> Callable[[], None]:
+        """Start copying every held value; the returned wait blocks until they have read the
+        shared memory."""
+
+    def drop_held(self) -> None:
+        """The held values will not be copied (the load failed before their copy started)."""
+
 
 _NONE = LookupOk(0, 0)
 """A lookup's answer when the cache cannot give one: a miss."""
@@ -224,14 +243,16 @@ class CacheLink:
         keys: Sequence[bytes],
         keys_per_get: int,
         sink: Callable[[int, memoryview], None],
-        flush: Callable[[], Callable[[], None]],
+        copies: StreamCopies,
         proceed: Callable[[int], bool] | None,
         in_flight_max: int,
+        hold_from: int | None = None,
+        answered: Callable[[int], None] | None = None,
     ) -> int:
         """`load` in requests of ``keys_per_get`` keys, for copies that finish later (DMA).
 
-        ``sink(i, value)`` starts copying value i; after each request's values,
-        ``flush()`` starts their copies and returns a ``wait`` that blocks until
+        ``sink(i, value)`` stages value i; after each request's values,
+        ``copies.flush()`` starts their copies and returns a ``wait`` that blocks until
         they have read the shared memory. Up to ``in_flight_max`` requests are held
         at once: the gateway reads request n+1 while the copies of the earlier ones
         run, and a request's room is given back only after its wait, oldest first.
@@ -239,37 +260,65 @@ class CacheLink:
         given back before the next request unless the ring's half still has room
         for it, so that a load never waits for ring room it holds itself.
         ``proceed(values_so_far)``, asked before each further request, may stop
-        early. Returns how many leading values were copied completely: a request
-        whose room could not be given back cleanly is not counted (the gateway may
-        have reused its memory under the copy).
+        early.
+
+        Requests from value ``hold_from`` on whose values the gateway serves in place
+        are held instead (``copies.hold()``), all of them, and copied together once the
+        gateway has answered every request (``copies.flush_held()``); values it copied
+        into the ring stream as the others. ``answered(values)``, once the last request
+        is answered (before the last copies are waited for), tells how many leading
+        values were staged: the ones that will be counted unless the room of their
+        request cannot be given back, or their held copy fails.
+
+        Returns how many leading values were copied completely: a request whose room
+        could not be given back cleanly is not counted (the gateway may have reused its
+        memory under the copy), nor what follows it.
         """
         if keys_per_get <= 0 or in_flight_max <= 0:
             raise ValueError(f"keys_per_get {keys_per_get} and in_flight_max {in_flight_max} must be positive")
         client = self._get_client()
         if client is None or not keys:
             return 0
-        held: deque[tuple[GetBatch, Callable[[], None], int]] = deque()
+        streaming: deque[tuple[GetBatch, Callable[[], None], int, int]] = deque()
+        """Requests whose copies were started: (batch, wait, first value, end)."""
+        held: list[tuple[GetBatch, int, int]] = []
+        """Requests held for ``copies.flush_held``: (batch, first value, end)."""
+        held_wait: Callable[[], None] | None = None
+        """The held requests' copies, once started."""
+        copied: dict[int, int] = {}
+        """First value -> end of each request copied completely and given back."""
         ring_room = client.ring_bytes // 2
         ring_per_get = 0
         """The most ring bytes a request of this load took so far: what the next may take."""
-        done = 0
 
         def give_back_oldest() -> None:
             """Wait for the oldest request's copies, then give its room back (it stays held if
             that fails)."""
-            nonlocal done
-            batch, wait, end = held[0]
+            batch, wait, first, end = streaming[0]
             wait()
             client.release(batch)
-            held.popleft()
-            done = end
+            streaming.popleft()
+            copied[first] = end
+
+        def give_back_held() -> None:
+            """After the held copies (started, or never to be), give their room back."""
+            if held_wait is not None:
+                held_wait()
+            while held:
+                batch, first, end = held[0]
+                client.release(batch)
+                held.pop(0)
+                if held_wait is not None:
+                    copied[first] = end
 
         try:
+            staged = 0
             for start in range(0, len(keys), keys_per_get):
                 if start and proceed is not None and not proceed(start):
                     break
-                while held and (
-                    len(held) >= in_flight_max or sum(b.ring_bytes for b, _, _ in held) + ring_per_get > ring_room
+                while streaming and (
+                    len(streaming) >= in_flight_max
+                    or sum(b.ring_bytes for b, _, _, _ in streaming) + ring_per_get > ring_room
                 ):
                     give_back_oldest()
                 part = keys[start : start + keys_per_get]
@@ -278,19 +327,37 @@ class CacheLink:
                 for j, view in enumerate(batch.views):
                     sink(start + j, view)
                     self.counters.loaded_bytes += view.nbytes
-                held.append((batch, flush(), start + len(batch.views)))
+                staged = start + len(batch.views)
+                if hold_from is not None and start >= hold_from and not batch.ring_bytes:
+                    copies.hold()
+                    held.append((batch, start, staged))
+                else:
+                    streaming.append((batch, copies.flush(), start, staged))
                 if len(batch.views) < len(part):
                     break
-            while held:
+            if answered is not None:
+                answered(staged)
+            if held:
+                held_wait = copies.flush_held()
+            while streaming:
                 give_back_oldest()
+            give_back_held()
         except GatewayError as err:
+            if held and held_wait is None:
+                copies.drop_held()  # Not copied: nothing of them is counted.
             if isinstance(err, GatewayRefused):  # The connection still works: give their room back.
                 with contextlib.suppress(GatewayError):
-                    while held:
+                    while streaming:
                         give_back_oldest()
-            for _, wait, _ in held:
+                    give_back_held()
+            for _, wait, _, _ in streaming:
                 wait()  # Copies in flight finish before anything else touches that memory.
+            if held_wait is not None:
+                held_wait()
             self._failed(err)
+        done = 0
+        while done in copied and copied[done] > done:
+            done = copied[done]
         self.counters.loaded_chunks += done
         return done
 

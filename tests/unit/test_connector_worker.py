@@ -243,7 +243,8 @@ def test_a_restore_prepared_at_the_step_start_runs_on_the_loader_thread(real_gat
         path.load = load  # type: ignore[method-assign]
         side.prepare_load(meta)
         assert side._loading is not None
-        assert side._loading.blocks.result(timeout=60) == [2]  # Done before `load` is called.
+        assert side._loading.restores is not None
+        assert side._loading.restores.done.result(timeout=60) == [2]  # Done before `load` is called.
         assert same_pages(target, [9, 5], source, [1, 2])
         assert side.take_load_errors() == set()  # Known only once the step's `load` took it.
         side.load(meta)
@@ -279,7 +280,8 @@ def test_a_restore_prepared_early_returns_once_its_first_copies_are_under_way(re
     busy in Python, it would otherwise keep the interpreter from the loader."""
     gateway, source, target = real_gateway, caches(seed=9), caches(seed=None)
     saved(gateway, source)
-    side = worker(gateway, target, load_batch_mb=1, load_start_wait_ms=60_000)  # One chunk per request.
+    # One chunk per request, streamed chunk by chunk (none held for a layered copy).
+    side = worker(gateway, target, load_batch_mb=1, load_start_wait_ms=60_000, load_layered_mb=0)
     release = threading.Event()
     try:
         came = held_flush(side, 2, release)
@@ -303,7 +305,7 @@ def test_a_first_copy_that_does_not_come_holds_the_engine_no_longer_than_the_sta
 ) -> None:
     gateway, source, target = real_gateway, caches(seed=10), caches(seed=None)
     saved(gateway, source)
-    side = worker(gateway, target, load_start_wait_ms=1)
+    side = worker(gateway, target, load_start_wait_ms=1, load_layered_mb=0)
     release = threading.Event()
     try:
         came = held_flush(side, 1, release)  # The first request's copy waits for this thread.

@@ -344,22 +344,55 @@ class FakeClient:
         pass
 
 
+class Copies:
+    """Records the streamed load's copies: flush n waits as ``wait<n>``; holds, the held flush
+    (``held`` once its wait ran) and drops by name."""
+
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
+        self.flushes = 0
+
+    def flush(self) -> Callable[[], None]:
+        self.flushes += 1
+        n = self.flushes
+        return lambda: self.events.append(f"wait{n}")
+
+    def hold(self) -> None:
+        self.events.append("hold")
+
+    def flush_held(self) -> Callable[[], None]:
+        self.events.append("flush_held")
+        return lambda: self.events.append("held")
+
+    def drop_held(self) -> None:
+        self.events.append("drop_held")
+
+
 def streamed(
     client: FakeClient,
     keys: list[bytes],
     per_get: int,
     proceed: Callable[[int], bool] | None = None,
     in_flight_max: int = 2,
+    hold_from: int | None = None,
 ) -> tuple[int, list[int], CacheLink]:
     link = CacheLink(Config(), "test", connect=lambda c, n: client, switch=RankSwitch())  # type: ignore[arg-type,return-value]
     sunk: list[int] = []
-    flushes = iter(range(1, 100))
 
-    def flush() -> Callable[[], None]:
-        n = next(flushes)
-        return lambda: client.events.append(f"wait{n}")
+    def answered(staged: int) -> None:
+        client.events.append(f"answered{staged}")
 
-    done = link.load_streamed(b"f" * 16, keys, per_get, lambda i, v: sunk.append(i), flush, proceed, in_flight_max)
+    done = link.load_streamed(
+        b"f" * 16,
+        keys,
+        per_get,
+        lambda i, v: sunk.append(i),
+        Copies(client.events),
+        proceed,
+        in_flight_max,
+        hold_from,
+        answered,
+    )
     return done, sunk, link
 
 
@@ -372,7 +405,8 @@ def test_load_streamed_overlaps_and_releases_after_the_wait() -> None:
     done, sunk, link = streamed(client, KEYS, 3)
     assert done == 7 and sunk == list(range(7))
     # Request n+1 is asked for before request n's copies are waited for and its room given back.
-    assert events == ["get1", "get2", "wait1", "release1", "get3", "wait2", "release2", "wait3", "release3"]
+    # The engine is told what was answered before the last copies are waited for.
+    assert events == ["get1", "get2", "wait1", "release1", "get3", "answered7", "wait2", "release2", "wait3", "release3"]
     assert link.counters.loaded_chunks == 7
 
 
@@ -383,7 +417,7 @@ def test_load_streamed_queues_up_to_in_flight_max_requests_and_gives_them_back_o
     assert done == 7 and sunk == list(range(7)) and client.held_most == 3 and not client.held
     # Three requests are under way before the first one's copies are waited for.
     assert events[:5] == ["get1", "get2", "get3", "wait1", "release1"]
-    assert events[5:] == ["get4", "wait2", "release2", "wait3", "release3", "wait4", "release4"]
+    assert events[5:] == ["get4", "answered7", "wait2", "release2", "wait3", "release3", "wait4", "release4"]
     events.clear()
     client = FakeClient({k: b"x" * 8 for k in KEYS}, events)
     streamed(client, KEYS, 2, in_flight_max=1)
@@ -428,7 +462,7 @@ def test_load_streamed_waits_for_every_copy_under_way_when_a_release_is_refused(
     # Request 2's room was not given back: neither it nor what follows counts, and the copies
     # of requests 3 and 4, under way, finish before the load returns.
     assert done == 2 and not link.is_off
-    loaded = ["wait1", "release1", "get4"]
+    loaded = ["wait1", "release1", "get4", "answered7"]
     refused = ["wait2", "refused2", "wait2", "refused2"]  # Given back once more as the load ends.
     in_flight = ["wait2", "wait3", "wait4"]  # Waits are idempotent: request 2's copies were done.
     assert events[3:] == loaded + refused + in_flight

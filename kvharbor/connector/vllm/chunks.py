@@ -98,21 +98,25 @@ def unread_chunks(per_chunk: int, skip_blocks: int, block_ids: GroupBlocks) -> i
 
 @dataclass(frozen=True, slots=True)
 class SavePlan:
-    """A step's saves, flattened: chunk i is stored under ``keys[i]`` from ``blocks[i]``."""
+    """A step's saves, flattened: chunk i of request ``requests[i]`` is stored under
+    ``keys[i]`` from ``blocks[i]``."""
 
     keys: list[bytes]
     blocks: list[GroupBlocks]
+    requests: list[str]
 
 
 def plan_saves(saves: Sequence[ChunkTransfer], rank: int, per_chunk: int) -> SavePlan:
     """Every chunk of every save transfer, in order, with its rank's key."""
     keys: list[bytes] = []
     blocks: list[GroupBlocks] = []
+    requests: list[str] = []
     for transfer in saves:
         for i, key in enumerate(transfer.keys[rank]):
             keys.append(key)
             blocks.append(span(transfer.block_ids, i * per_chunk, (i + 1) * per_chunk))
-    return SavePlan(keys, blocks)
+            requests.append(transfer.request_id)
+    return SavePlan(keys, blocks, requests)
 
 
 def contiguous_runs(offsets: Sequence[int], size: int) -> Iterator[tuple[int, int, int]]:

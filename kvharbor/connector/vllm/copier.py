@@ -3,13 +3,16 @@
 Four moves for each direction: **plan** (`chunks`), **stage** (name a stored
 chunk and its blocks), **flush** (start the copies of what was staged) and
 **wait** (the flush's returned `Wait`: the shared memory has been read or
-written). Two implementations: `host_copy.HostCopy` for a cache in host
+written). A load's last requests may instead be **held** and flushed together
+layer by layer (`PageCopy.flush_held`), so that the engine computes a layer
+while later ones are copied in (`HeldLoads`). Two implementations: `host_copy.HostCopy` for a cache in host
 memory (vLLM's CPU backend) and `device_copy.DeviceCopy` for one on a GPU.
 Each keeps the page order its stored objects have always had (`pages`).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -93,8 +96,26 @@ class PageCopy(Protocol):
     def flush_load(self, mapping: PinnedMapping) -> Wait:
         """Start copying the staged chunks into their blocks."""
 
+    @property
+    def held_chunks_max(self) -> int:
+        """The most chunks a step may hold for `flush_held`."""
+
+    def hold_load(self) -> None:
+        """Keep the chunks staged since the last flush or hold for `flush_held`, uncopied.
+        From the first hold of a step until `flush_held` or `drop_held`, `wait_layer`
+        blocks for layers whose held copies are not queued yet."""
+
+    def flush_held(self, mapping: PinnedMapping) -> Wait:
+        """Copy every held chunk in, one layer at a time: each layer's pages of all of them,
+        then the next layer, each layer released to `wait_layer` as soon as its copies are
+        queued. The returned wait blocks until the held chunks' shared memory has been read."""
+
+    def drop_held(self) -> None:
+        """Forget the held chunks, uncopied (their load failed), and release every layer."""
+
     def wait_layer(self, layer: int) -> None:
-        """Make the engine wait for the loads into one layer."""
+        """Make the engine wait for the loads into one layer: the calling thread waits until
+        that layer's held copies are queued (`hold_load`), the engine's work for their end."""
 
     def wait_loads(self) -> None:
         """Make the engine wait for every load so far (end of a step)."""
@@ -143,6 +164,56 @@ class LoadStage:
     def take(self) -> list[StagedChunk]:
         staged, self.staged = self.staged, []
         return staged
+
+
+class HeldLoads:
+    """The chunks a step holds for a layered flush (`PageCopy.hold_load`), and the gate at
+    which the engine's thread waits for a layer the loader thread has not queued yet.
+
+    The gate opens (layers are waited for) at a step's first hold, which comes before the
+    engine is told its restores were answered, and releases layer by layer as the flush
+    queues them (`queued`), or all of them at once (`release`), whatever ends the flush.
+    """
+
+    def __init__(self, stage: LoadStage, chunks_max: int) -> None:
+        self._stage = stage
+        self.chunks_max = chunks_max
+        self.chunks: list[StagedChunk] = []
+        self._gate = threading.Condition()
+        self._layers_queued: int | None = None
+        """Layers released while a held flush is pending; None: none pending (no wait)."""
+
+    def hold(self) -> None:
+        staged = self._stage.take()
+        if len(self.chunks) + len(staged) > self.chunks_max:
+            raise RuntimeError(f"{len(self.chunks) + len(staged)} chunks held, at most {self.chunks_max}")
+        with self._gate:
+            if self._layers_queued is None:
+                self._layers_queued = 0
+        self.chunks += staged
+
+    def take(self) -> list[StagedChunk]:
+        chunks, self.chunks = self.chunks, []
+        return chunks
+
+    def queued(self, layer: int) -> None:
+        """Layers up to ``layer`` have their held copies queued: the engine may use them."""
+        with self._gate:
+            if self._layers_queued is not None:
+                self._layers_queued = max(self._layers_queued, layer + 1)
+                self._gate.notify_all()
+
+    def release(self) -> None:
+        """Every layer may be used: the flush is done, or failed (its blocks are then load errors)."""
+        self.chunks = []
+        with self._gate:
+            self._layers_queued = None
+            self._gate.notify_all()
+
+    def wait(self, layer: int) -> None:
+        """On the engine's thread: until ``layer`` is released."""
+        with self._gate:
+            self._gate.wait_for(lambda: self._layers_queued is None or self._layers_queued > layer)
 
 
 def load_request_chunks(load_batch_bytes: int, chunk_bytes: int) -> int:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -55,6 +56,30 @@ def chunk_saves(meta: KVHarborMetadata) -> Sequence[ChunkTransfer]:
 def state_saves(meta: KVHarborMetadata) -> Sequence[ChunkTransfer]:
     """A step's state saves: those its chunk saves carry (`ChunkTransfer.state`)."""
     return [save.state for save in meta.saves if save.state is not None]
+
+
+class _Copies:
+    """A load's copies as `CacheLink.load_streamed` starts them (`StreamCopies`)."""
+
+    def __init__(self, copy: PageCopy, mapping: PinnedMapping, queued: Callable[[], None] | None) -> None:
+        self._copy, self._mapping, self._queued = copy, mapping, queued
+
+    def flush(self) -> Wait:
+        wait = self._copy.flush_load(self._mapping)
+        if self._queued is not None:
+            self._queued()
+        return wait
+
+    def hold(self) -> None:
+        self._copy.hold_load()
+        if self._queued is not None:
+            self._queued()  # Under way as a flushed request is: the loader goes on with the next.
+
+    def flush_held(self) -> Wait:
+        return self._copy.flush_held(self._mapping)
+
+    def drop_held(self) -> None:
+        self._copy.drop_held()
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +136,7 @@ class DataPath:
         self._save_staging_wait_s = engine.save_staging_wait_ms / 1000
         self._stall_s = engine.prefill_sample_stall_ms_max / 1000
         self._land_before_answer = engine.saves_land_before_answer
+        self._layered_bytes = engine.load_layered_bytes
         self._register = register
         self.mappings: list[PinnedMapping] = []
         """The load link's mapping, then the save link's; empty when not mapped (cache off)."""
@@ -119,6 +145,8 @@ class DataPath:
         self._meta: KVHarborMetadata | None = None
         self._save: StepSave | None = None
         self._save_keys: list[bytes] = []
+        self._save_requests: list[str] = []
+        """The request of each of ``_save_keys``."""
         self._save_opened = False
         self.stalled = False
         """This step's forward pass waited for save staging (so it is no prefill sample)."""
@@ -201,12 +229,18 @@ class DataPath:
         transfer: ChunkTransfer,
         proceed: Callable[[int], bool] | None = None,
         queued: Callable[[], None] | None = None,
+        answered: Callable[[int], None] | None = None,
     ) -> int:
         """Restore the leading stored chunks of ``transfer``; returns the block positions
         restored (in every cache group).
 
         ``proceed(chunks_so_far)``, asked before each further gateway request, may stop the load.
         ``queued()`` is called after each gateway request's copies were started (`flush_load`).
+        ``answered(blocks)``: called once the gateway has answered the load's last request, with
+        the block positions it will have restored unless a copy fails; the load's last requests
+        (``engine.load_layered_mb``) are then copied layer by layer (`PageCopy.flush_held`), so
+        the engine may start its forward pass (`wait_layer` waits for each layer). Without it
+        every request is copied chunk by chunk.
         Called after `begin_loads`, on any one thread at a time.
         """
         if not self.mappings:
@@ -216,6 +250,7 @@ class DataPath:
         keys = transfer.keys[self.rank]
         # Chunks wholly out of a sliding window restore nothing: not read at all.
         unread = min(unread_chunks(per, transfer.skip_blocks, transfer.block_ids), len(keys))
+        unread_blocks = min(blocks_before(unread, per, transfer.skip_blocks), transfer.blocks)
         accepted: list[int] = []
 
         def sink(i: int, view: memoryview) -> None:
@@ -229,25 +264,36 @@ class DataPath:
         def go_on(done: int) -> bool:
             return len(accepted) >= done and (proceed is None or proceed(done))
 
-        def flush() -> Wait:
-            wait = copy.flush_load(mapping)
-            if queued is not None:
-                queued()
-            return wait
+        def blocks(chunks: int) -> int:
+            return unread_blocks + sum(accepted[:chunks])
+
+        def told(staged: int) -> None:
+            if answered is not None:
+                answered(blocks(staged))
 
         chunks = self._load_link.load_streamed(
             self.fingerprint,
             keys[unread:],
             copy.chunks_per_load,
             sink,
-            flush,
+            _Copies(copy, mapping, queued),
             go_on,
             copy.loads_queued_max,
+            hold_from=self._hold_from(len(keys) - unread) if answered is not None else None,
+            answered=told,
         )
         restored = min(chunks, len(accepted))
         self._count(loaded_chunks=restored, loaded_bytes=restored * size)
-        unread_blocks = min(blocks_before(unread, per, transfer.skip_blocks), transfer.blocks)
-        return unread_blocks + sum(accepted[:restored])
+        return blocks(restored)
+
+    def _hold_from(self, chunks: int) -> int | None:
+        """The first chunk of a load of ``chunks`` held for a layered copy: its last whole
+        requests of about ``engine.load_layered_mb`` (None: none)."""
+        per = self.copy.chunks_per_load
+        window = min(self._layered_bytes // self.copy.chunk_bytes, self.copy.held_chunks_max)
+        requests = -(-chunks // per)
+        held = min(window // per, requests)
+        return (requests - held) * per if held else None
 
     def wait_layer(self, layer_name: str) -> None:
         index = self.layer_index.get(layer_name)
@@ -260,7 +306,7 @@ class DataPath:
         """The step's metadata is bound. Its loads may be running on the loader thread: the
         engine waits for them layer by layer (`wait_layer`) and wholly at `end_step`."""
         self._meta = meta
-        self._save, self._save_keys, self._save_opened = None, [], False
+        self._save, self._save_keys, self._save_requests, self._save_opened = None, [], [], False
         self.stalled = False
 
     def save_layer(self, layer_name: str) -> None:
@@ -274,21 +320,26 @@ class DataPath:
         if self._save is not None and index is not None:
             self._save.gather_layer(index)
 
-    def end_step(self, meta: KVHarborMetadata) -> SaveParts | None:
-        """End of the step's forward pass: finish the gathers; what the saver thread stores."""
+    def end_step(self, meta: KVHarborMetadata, dropped: AbstractSet[str] = frozenset()) -> SaveParts | None:
+        """End of the step's forward pass: finish the gathers; what the saver thread stores.
+        ``dropped``: requests whose chunks of this step are not stored (computed over blocks
+        whose restore fell short after the forward pass had started)."""
         self.copy.wait_loads()
         saves = self._saves_of(meta)
         if saves and not self._save_opened:
             self._open_save(meta)
-        save, keys = self._save, self._save_keys
-        self._meta, self._save, self._save_keys, self._save_opened = None, None, [], False
+        save, requests = self._save, self._save_requests
+        kept = [i for i, request in enumerate(requests) if request not in dropped]
+        keys = [self._save_keys[i] for i in kept]
+        self._meta, self._save, self._save_keys, self._save_requests = None, None, [], []
+        self._save_opened = False
         if save is None:
             return None
         save.close()
         mapping = self.mappings[1]
         return SaveParts(
             keys,
-            fill=lambda i, view: save.stage(i, mapping, view),
+            fill=lambda i, view: save.stage(kept[i], mapping, view),
             settle=lambda: save.flush(mapping)(),
             done=save.release,
             reads_blocks=not self.copy.snapshots_saves,
@@ -314,7 +365,7 @@ class DataPath:
                 "saves is full (engine.save_staging_mb_max, waited engine.save_staging_wait_ms); they will be "
                 "misses (said once)",
             )
-        self._save, self._save_keys = save, plan.keys[:kept]
+        self._save, self._save_keys, self._save_requests = save, plan.keys[:kept], plan.requests[:kept]
 
     def close(self) -> None:
         self.copy.close()

@@ -10,7 +10,10 @@ percent of the PCIe time they save.
 
 Host-to-device copies, scatters, gathers and device-to-host copies each run on
 a stream of their own, ordered by events: a load's copy of request n+1
-overlaps the scatter of request n; a save's gathers run layer by layer during
+overlaps the scatter of request n; a held load (`flush_held`) crosses one layer
+at a time, each layer's pages of every held chunk in one two-dimensional copy
+per run of chunks (`rows`), so the engine's forward pass computes a layer while
+the next ones cross; a save's gathers run layer by layer during
 the forward pass and its device-to-host copy behind the engine, on the saver
 thread. The engine's stream waits for a layer's loads only where that layer
 needs them and for a step's gathers only at the end of the step (the blocks
@@ -29,6 +32,7 @@ import torch
 
 from kvharbor.connector.vllm.chunks import ChunkPart, GroupBlocks, contiguous_runs
 from kvharbor.connector.vllm.copier import (
+    HeldLoads,
     LoadStage,
     StagedChunk,
     StagingUnavailable,
@@ -39,6 +43,7 @@ from kvharbor.connector.vllm.copier import (
 )
 from kvharbor.connector.vllm.pages import PageLayers, block_major
 from kvharbor.connector.vllm.pinning import PinnedMapping
+from kvharbor.connector.vllm.rows import copy_rows
 from kvharbor.connector.vllm.streams import Event, engine_stream, new_stream, synchronize
 
 LOAD_SLOTS = 2
@@ -84,6 +89,8 @@ class DeviceCopy:
         self._slot_free: list[Event | None] = [None] * LOAD_SLOTS
         self._next_slot = 0
         self._stage = LoadStage(self)
+        self._held = HeldLoads(self._stage, self.chunks_per_load * len(self.pages.layers))
+        """A layer of at most this many chunks fills one staging slot."""
         self._layer_ready: list[Event] = []
         """Per layer, the event after its latest scatter."""
         self._engine_before_loads: Event | None = None
@@ -133,13 +140,8 @@ class DeviceCopy:
         staged = self._stage.take()
         if not staged:
             return no_wait
-        engine = self._engine_before_loads
-        if engine is None:  # A scatter not ordered after the engine could overwrite blocks it still reads.
-            raise RuntimeError("flush_load before begin_loads: the loads are not ordered after the engine's work")
-        self.reserve_loads()  # Done at start when the data path maps its memory.
-        slot_index = self._next_slot
-        self._next_slot = (slot_index + 1) % len(self._slots)
-        slot = self._slots[slot_index]
+        engine = self._engine_event("flush_load")
+        slot_index, slot = self._take_slot()
         size = self.chunk_bytes
         with self._h2d.on():
             self._h2d.wait(self._slot_free[slot_index])
@@ -175,6 +177,70 @@ class DeviceCopy:
             self._layer_ready = ready
         return copied.synchronize
 
+    @property
+    def held_chunks_max(self) -> int:
+        return self._held.chunks_max
+
+    def hold_load(self) -> None:
+        self._held.hold()
+
+    def drop_held(self) -> None:
+        self._held.release()
+
+    def flush_held(self, mapping: PinnedMapping) -> Wait:
+        """Each layer in turn: its pages of every held chunk that restores its group cross
+        into a staging slot (a two-dimensional copy per run of chunks back to back in shared
+        memory) and are scattered into its blocks; `wait_layer` is released for it then."""
+        held = self._held.take()
+        try:
+            return self._flush_layers(mapping, held) if held else no_wait
+        finally:
+            self._held.release()
+
+    def _flush_layers(self, mapping: PinnedMapping, held: Sequence[StagedChunk]) -> Wait:
+        engine = self._engine_event("flush_held")
+        pages, size = self.pages, self.chunk_bytes
+        layer_bytes = size // len(pages.layers)
+        by_group = [[chunk for chunk in held if chunk.parts[g].targets] for g in range(pages.group_count)]
+        runs = [[(at, n) for _, n, at in contiguous_runs([c.offset for c in chunks], size)] for chunks in by_group]
+        scatters = [self._scatter_index(chunks, g) for g, chunks in enumerate(by_group)]
+        ready = list(self._layer_ready) or [self._scatter.record()] * len(pages.layers)
+        self._layer_ready = ready
+        copied = None
+        self._scatter.wait(engine)
+        for index, (layer, group) in enumerate(zip(pages.layers, pages.groups, strict=True)):
+            scatter = scatters[group]
+            if scatter is not None:
+                slot_index, slot = self._take_slot()
+                count = len(by_group[group])
+                with self._h2d.on():
+                    self._h2d.wait(self._slot_free[slot_index])
+                    layer_runs = [(offset + index * layer_bytes, n) for offset, n in runs[group]]
+                    copy_rows(slot, mapping.tensor, layer_runs, layer_bytes, size)
+                    copied = self._h2d.record()
+                with self._scatter.on():
+                    self._scatter.wait(copied)
+                    rows = slot[: count * layer_bytes].view(pages.dtype).view(count, -1, pages.page_elems)
+                    c_index, b_index, t_index = scatter
+                    layer.index_copy_(0, t_index, rows[c_index, b_index].view(len(t_index), *pages.page_shape))
+                    ready[index] = self._slot_free[slot_index] = self._scatter.record()
+            self._held.queued(index)
+        return copied.synchronize if copied is not None else no_wait
+
+    def _engine_event(self, flush: str) -> Event:
+        """The engine's work a flush's scatters must follow (`begin_loads`), the slots reserved."""
+        engine = self._engine_before_loads
+        if engine is None:  # A scatter not ordered after the engine could overwrite blocks it still reads.
+            raise RuntimeError(f"{flush} before begin_loads: the loads are not ordered after the engine's work")
+        self.reserve_loads()  # Done at start when the data path maps its memory.
+        return engine
+
+    def _take_slot(self) -> tuple[int, torch.Tensor]:
+        """The next staging slot, in turn (its copy waits for its last scatter: `_slot_free`)."""
+        index = self._next_slot
+        self._next_slot = (index + 1) % len(self._slots)
+        return index, self._slots[index]
+
     def _scatter_index(self, staged: Sequence[StagedChunk], group: int) -> torch.Tensor | None:
         """``(chunk, block in chunk, target block)`` rows of one group's scatter, on the device;
         None when the group restores nothing from these chunks (out of its window)."""
@@ -189,6 +255,7 @@ class DeviceCopy:
         return self.index(chunk_index, block_index, targets) if targets else None
 
     def wait_layer(self, layer: int) -> None:
+        self._held.wait(layer)
         if self._layer_ready:
             engine_stream(self.device).wait(self._layer_ready[layer])
 

@@ -2,7 +2,9 @@
 
 Copies go straight between the cache tensors and shared memory
 (``index_copy_`` reads a tensor view of it, ``index_select`` writes into one),
-with no staging; a flush has done its work when it returns. Pages are stored
+with no staging; a flush has done its work when it returns (a held flush
+releases each layer to the engine's thread as soon as it is copied, so the
+engine computes it while the loader thread copies the next). Pages are stored
 in their logical order (`pages.block_first`), as they always were.
 """
 
@@ -13,7 +15,15 @@ from collections.abc import Sequence
 import torch
 
 from kvharbor.connector.vllm.chunks import ChunkPart, GroupBlocks
-from kvharbor.connector.vllm.copier import LoadStage, StepSave, Wait, load_request_chunks, no_wait
+from kvharbor.connector.vllm.copier import (
+    HeldLoads,
+    LoadStage,
+    StagedChunk,
+    StepSave,
+    Wait,
+    load_request_chunks,
+    no_wait,
+)
 from kvharbor.connector.vllm.pages import PageLayers, block_first
 from kvharbor.connector.vllm.pinning import PinnedMapping
 
@@ -38,6 +48,8 @@ class HostCopy:
         self.blocks_per_chunk = blocks_per_chunk
         self.chunks_per_load = load_request_chunks(load_batch_bytes, self.chunk_bytes)
         self._stage = LoadStage(self)
+        self._held = HeldLoads(self._stage, self.chunks_per_load * len(self.pages.layers))
+        """Bounded as a device's are: every held value pins its memory in the gateway."""
 
     @property
     def chunk_bytes(self) -> int:
@@ -59,18 +71,40 @@ class HostCopy:
         self._stage.add(mapping, view, parts)
 
     def flush_load(self, mapping: PinnedMapping) -> Wait:
-        pages = self.pages
         for chunk in self._stage.take():
-            index = [torch.tensor(part.targets, dtype=torch.long, device=pages.device) for part in chunk.parts]
-            sources = self.chunk_pages(mapping, chunk.offset)
-            for layer, group, source in zip(pages.layers, pages.groups, sources, strict=True):
-                part = chunk.parts[group]
-                if part.targets:
-                    layer.index_copy_(0, index[group], source[part.first : part.first + len(part.targets)])
+            source = self._source(mapping, chunk)
+            for layer in range(len(self.pages.layers)):
+                source.copy_layer(layer)
         return no_wait  # Copied when it returns.
 
+    @property
+    def held_chunks_max(self) -> int:
+        return self._held.chunks_max
+
+    def hold_load(self) -> None:
+        self._held.hold()
+
+    def drop_held(self) -> None:
+        self._held.release()
+
+    def flush_held(self, mapping: PinnedMapping) -> Wait:
+        try:
+            sources = [self._source(mapping, chunk) for chunk in self._held.take()]
+            for layer in range(len(self.pages.layers)):
+                for source in sources:
+                    source.copy_layer(layer)
+                self._held.queued(layer)
+            return no_wait  # Copied when it returns.
+        finally:
+            self._held.release()
+
+    def _source(self, mapping: PinnedMapping, chunk: StagedChunk) -> _Source:
+        pages = self.pages
+        index = [torch.tensor(part.targets, dtype=torch.long, device=pages.device) for part in chunk.parts]
+        return _Source(self, chunk, self.chunk_pages(mapping, chunk.offset), index)
+
     def wait_layer(self, layer: int) -> None:
-        pass
+        self._held.wait(layer)
 
     def wait_loads(self) -> None:
         pass
@@ -80,6 +114,22 @@ class HostCopy:
 
     def close(self) -> None:
         pass
+
+
+class _Source:
+    """A stored chunk being loaded: its pages per layer, and where each group's go."""
+
+    def __init__(
+        self, copy: HostCopy, chunk: StagedChunk, pages: list[torch.Tensor], index: list[torch.Tensor]
+    ) -> None:
+        self._copy, self._chunk, self._pages, self._index = copy, chunk, pages, index
+
+    def copy_layer(self, layer: int) -> None:
+        group = self._copy.pages.groups[layer]
+        part = self._chunk.parts[group]
+        if part.targets:
+            source = self._pages[layer][part.first : part.first + len(part.targets)]
+            self._copy.pages.layers[layer].index_copy_(0, self._index[group], source)
 
 
 class _HostSave:

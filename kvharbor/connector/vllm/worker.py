@@ -69,6 +69,8 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -108,17 +110,63 @@ class _SaveJob:
     reused, and a copy that ends later may hold another request's bytes."""
 
 
+class _Restores:
+    """A step's restores, told twice: once the gateway has answered their last request
+    (`answer`: the forward pass may start, each layer waiting for its copies), and once
+    their copies are done (`done`): per transfer of the step, the leading block positions
+    this rank filled. The second may be less than the first (a copy failed, or the room of
+    a request could not be given back), never more."""
+
+    def __init__(self, started_s: float) -> None:
+        self.started_s = started_s
+        self.ended_s = started_s
+        self.done: Future[list[int]] = Future()
+        self._answered = threading.Event()
+        self._blocks: list[int] = []
+
+    def answer(self, blocks: list[int]) -> None:
+        """The first answer counts (the loader's end answers again, for a load that never did)."""
+        if not self._answered.is_set():
+            self._blocks = list(blocks)
+            self._answered.set()
+
+    def answered(self) -> list[int]:
+        self._answered.wait()
+        return self._blocks
+
+    def finish(self, blocks: list[int]) -> None:
+        self.ended_s = time.perf_counter()
+        self.answer(blocks)
+        self.done.set_result(blocks)
+
+    def fail(self, error: BaseException, transfers: int) -> None:
+        """A bug in a restore: the engine's thread gets it when it waits for the restores."""
+        self.ended_s = time.perf_counter()
+        self.answer([0] * transfers)
+        self.done.set_exception(error)
+
+
 @dataclass(frozen=True, slots=True)
 class _Loading:
     """A step's restores, started on the loader thread (`WorkerSide.prepare_load`)."""
 
     meta: KVHarborMetadata
     started_s: float
-    blocks: Future[list[int]] | None
-    """Per transfer of ``meta.loads``, the leading blocks this rank filled; None where the
-    chunks are restored only in `WorkerSide.load` (a hybrid model's)."""
+    restores: _Restores | None
+    """None where the chunks are restored only in `WorkerSide.load` (a hybrid model's)."""
     states: list[bool]
     """Per transfer, whether its state (if it has one) was restored."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Settling:
+    """A step's restores the engine went on with once answered (`WorkerSide.load`); settled
+    after its forward pass (`WorkerSide._settle`)."""
+
+    meta: KVHarborMetadata
+    agreed: list[int]
+    """Per transfer, the block positions every rank had when the gateway answered."""
+    restores: _Restores
 
 
 class _Underway:
@@ -190,6 +238,8 @@ class WorkerSide:
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvharbor-loader")
         self._loading: _Loading | None = None
         """Set from `prepare_load` until the step's `load` takes it; engine thread only."""
+        self._settling: _Settling | None = None
+        """Set from the step's `load` until `_settle`; engine thread only."""
 
     def register(self, registered: Mapping[str, KVCache], num_blocks: int) -> None:
         layout = self.layout
@@ -334,6 +384,7 @@ class WorkerSide:
         """
         if not meta.loads or self._path is None or self._loading is not None:
             return
+        self._settle()  # The last step's, should vLLM not have asked for its saves (not seen).
         started = time.perf_counter()
         for path in self._paths():
             path.begin_loads()
@@ -344,13 +395,20 @@ class WorkerSide:
             self._loading = _Loading(meta, started, None, states)
             return
         underway = _Underway(self._path.copy.loads_queued_max)
-        blocks = self._loader.submit(self._restore_announced, meta.loads, states, underway)
-        self._loading = _Loading(meta, started, blocks, states)
+        restores = _Restores(started)
+        self._loader.submit(self._restore_announced, meta.loads, states, underway, restores)
+        self._loading = _Loading(meta, started, restores, states)
         # The loader's first requests need the interpreter, which this thread would hold.
         underway.wait(self.config.engine.load_start_wait_ms / 1000)
 
     def load(self, meta: KVHarborMetadata) -> None:
         """Restore the step's planned chunks, as far as every rank could (`RankAgreement`).
+
+        Returns once the gateway has answered the step's restores: their last copies may
+        still run (a restore's last ``engine.load_layered_mb`` cross layer by layer), and
+        the forward pass waits for each layer's (`wait_layer`). What they restored is
+        settled after the forward pass (`_settle`), before the step's saves are taken and
+        its load errors reported: vLLM asks for those only then.
 
         Every rank reaches the agreement in the same steps (those with loads or
         ``cache_off``), whatever its own state: the condition is the metadata's.
@@ -364,25 +422,27 @@ class WorkerSide:
         if loading is not None and loading.meta is not meta:
             # Started for a step that never came to its forward pass (not seen with vLLM
             # 0.26-0.32): its blocks were that step's; wait, so no copy outlives the step.
-            if loading.blocks is not None:
-                loading.blocks.result()
+            if loading.restores is not None:
+                futures.wait([loading.restores.done])
             loading = None
+        self._settle()  # The last step's, should vLLM not have asked for its saves (not seen).
         if not meta.loads and not meta.cache_off:
             return
-        if loading is None:  # No ``handle_preemptions`` before (a vLLM without it): restore now.
-            started = time.perf_counter()
+        if loading is not None and loading.restores is not None:
+            restores = loading.restores
+        elif loading is not None:  # A hybrid model's chunks, after vLLM zeroed their blocks.
+            restores = _Restores(loading.started_s)
+            restores.finish(self._restore_all(meta.loads, loading.states))
+        else:  # No ``handle_preemptions`` before (a vLLM without it): restore now.
+            restores = _Restores(time.perf_counter())
             for path in self._paths() if meta.loads else ():
                 path.begin_loads()
             # Too late for the states of a hybrid model's synchronous loads: vLLM has copied them
             # on already (`_restore_states`). An asynchronous load's request does not run this step.
             early = iter(self._restore_states([t for t in meta.loads if t.asynchronous]))
             states = [next(early) if t.asynchronous else t.state is None for t in meta.loads]
-            restored = self._restore_all(meta.loads, states)
-        elif loading.blocks is None:
-            started, restored = loading.started_s, self._restore_all(meta.loads, loading.states)
-        else:
-            started, restored = loading.started_s, loading.blocks.result()
-        agreed = self._ranks.agree(restored)
+            restores.finish(self._restore_all(meta.loads, states))
+        agreed = self._ranks.agree(restores.answered())
         if meta.cache_off and self._ranks.switch.turn_off(meta.cache_off):
             say_off(meta.cache_off)
         short = set()
@@ -399,8 +459,36 @@ class WorkerSide:
                 short.add(transfer.request_id)
         if short:
             meta.saves = [save for save in meta.saves if save.request_id not in short]
-        if meta.loads:
-            self._count(loads=1, load_seconds=time.perf_counter() - started, cache_off=int(self._load_link.is_off))
+        self._settling = _Settling(meta, agreed, restores)
+
+    def _settle(self) -> AbstractSet[str]:
+        """After the forward pass: wait for the step's restores to be done and agree with the
+        other ranks on what they restored. Blocks the answer promised and the copies did not
+        deliver are load errors (vLLM recomputes them; their step's answer is discarded), and
+        the requests they belong to are returned: this step's chunks of theirs are computed
+        over them, and are not stored. A collective where `load` made one (every rank settles
+        in the same steps: at the first of `save`, `take_received`, `take_load_errors`, `take_stats`)."""
+        settling, self._settling = self._settling, None
+        if settling is None or not settling.meta.loads:
+            return frozenset()
+        meta, restores = settling.meta, settling.restores
+        done = self._ranks.agree(restores.done.result())
+        short = set()
+        for transfer, answered, blocks in zip(meta.loads, settling.agreed, done, strict=True):
+            if blocks >= answered:
+                continue
+            short.add(transfer.request_id)
+            self._count(load_errors=answered - blocks)
+            if transfer.asynchronous:
+                self._received.failed.add(transfer.request_id)
+            else:
+                lost = (b for ids in transfer.block_ids for b in ids[blocks:answered])
+                self._load_errors.update(b for b in lost if b != NULL_BLOCK)
+        if short:
+            self._once.say("late", "a restore the forward pass had started on fell short; recomputed (said once)")
+        seconds = restores.ended_s - restores.started_s
+        self._count(loads=1, load_seconds=seconds, cache_off=int(self._load_link.is_off))
+        return short
 
     def _restore_states(self, transfers: Sequence[ChunkTransfer]) -> list[bool]:
         """A hybrid model's states, restored now, on the engine's thread, and waited for: per
@@ -426,38 +514,66 @@ class WorkerSide:
         return restored
 
     def _restore_announced(
-        self, transfers: Sequence[ChunkTransfer], states: Sequence[bool], underway: _Underway
-    ) -> list[int]:
+        self, transfers: Sequence[ChunkTransfer], states: Sequence[bool], underway: _Underway, restores: _Restores
+    ) -> None:
         """`_restore_all` on the loader thread, telling ``underway`` of each request's copies
-        and of its end, whatever the end."""
+        and of its end, and ``restores`` of the gateway's answer and of the end, whatever the end."""
         try:
-            return self._restore_all(transfers, states, underway.queued)
+            restores.finish(self._restore_all(transfers, states, underway.queued, restores.answer))
+        except BaseException as err:
+            restores.fail(err, len(transfers))
         finally:
             underway.finish()
+            for path in self._paths():
+                path.copy.drop_held()  # A held flush that never ran releases the engine's layers.
 
     def _restore_all(
-        self, transfers: Sequence[ChunkTransfer], states: Sequence[bool], queued: Callable[[], None] | None = None
+        self,
+        transfers: Sequence[ChunkTransfer],
+        states: Sequence[bool],
+        queued: Callable[[], None] | None = None,
+        answered: Callable[[list[int]], None] | None = None,
     ) -> list[int]:
         """This rank's restores: per transfer, how many of its leading block positions it
         filled. ``states``: per transfer, whether its state (if it has one) was restored.
-        ``queued``: `DataPath.load`'s."""
+        ``queued``: `DataPath.load`'s. ``answered(blocks)``: per transfer, what the gateway's
+        answers promise, once the last transfer's last request is answered; the last
+        transfer's last requests are then copied layer by layer (`DataPath.load`)."""
         path = self._path
         if path is None:
             return [0] * len(transfers)
-        return [self._restore(path, t, state, queued) for t, state in zip(transfers, states, strict=True)]
+        restored: list[int] = []
+        for i, (transfer, state) in enumerate(zip(transfers, states, strict=True)):
+            told = None
+            if answered is not None and i == len(transfers) - 1:
+
+                def told(blocks: int, transfer: ChunkTransfer = transfer) -> None:
+                    answered([*restored, self._kept(transfer, blocks)])
+
+            restored.append(self._restore(path, transfer, state, queued, told))
+        return restored
 
     def _restore(
-        self, path: DataPath, transfer: ChunkTransfer, has_state: bool, queued: Callable[[], None] | None
+        self,
+        path: DataPath,
+        transfer: ChunkTransfer,
+        has_state: bool,
+        queued: Callable[[], None] | None,
+        answered: Callable[[int], None] | None,
     ) -> int:
-        """One transfer's restore. A hybrid model's chunks are restored all or none, and only
-        with their state: it is the state after the last chunk, and vLLM computing on from
-        an earlier block would find no state there."""
+        """One transfer's restore."""
         if not has_state:
             return 0
         # With several cache groups vLLM 0.26-0.32 cannot recompute blocks a load did not fill
         # (its scheduler raises for invalid blocks of several groups): such a load is not cut.
         cut = self._load_cut(transfer, path.copy.chunk_bytes) if len(self.layout.groups) == 1 else None
-        restored = path.load(transfer, cut, queued)
+        return self._kept(transfer, path.load(transfer, cut, queued, answered))
+
+    @staticmethod
+    def _kept(transfer: ChunkTransfer, restored: int) -> int:
+        """A hybrid model's chunks are restored all or none, and only with their state: it is
+        the state after the last chunk, and vLLM computing on from an earlier block would find
+        no state there."""
         return restored if transfer.state is None or restored == transfer.blocks else 0
 
     def _load_cut(self, transfer: ChunkTransfer, chunk_bytes: int) -> Callable[[int], bool]:
@@ -484,12 +600,14 @@ class WorkerSide:
         return proceed
 
     def take_load_errors(self) -> set[int]:
+        self._settle()
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def take_received(self) -> Received:
         """The asynchronous loads done since the last call (vLLM asks once a step, after the
         step's loads: `load` has agreed on them with every rank by then)."""
+        self._settle()
         received, self._received = self._received, Received(set(), set())
         return received
 
@@ -498,6 +616,7 @@ class WorkerSide:
     def save(self, meta: KVHarborMetadata) -> None:
         """Take this step's completed chunks before its blocks may be reused; the copy
         out of staging (GPU) and the commit run behind the engine, on the saver thread."""
+        dropped = self._settle()
         path = self._path
         if self._timer is not None:
             if path is not None and path.stalled:
@@ -506,9 +625,9 @@ class WorkerSide:
                 self._timer.end(meta.step_flops)
         if path is None:
             return
-        self._queue_save(path.end_step(meta), "stored_chunks")
+        self._queue_save(path.end_step(meta, dropped), "stored_chunks")
         if self._state_path is not None:
-            self._queue_save(self._state_path.end_step(meta), "stored_states")
+            self._queue_save(self._state_path.end_step(meta, dropped), "stored_states")
 
     def _queue_save(self, parts: SaveParts | None, stored_stat: str) -> None:
         """Hand one data path's save of this step to the saver thread (waiting for its copies
@@ -568,6 +687,7 @@ class WorkerSide:
     def take_stats(self) -> dict[str, float]:
         """The stats since the last call; ``saves_pending`` is the saves not yet counted,
         taken with them: a report saying none are pending includes the last commit."""
+        self._settle()
         with self._stats_lock:
             stats, self._stats = self._stats, empty()
             stats["saves_pending"] = self._saves_pending
