@@ -347,7 +347,12 @@ def bench_gateway(args: argparse.Namespace) -> None:
         stored = 0
         for g in range(0, chunks, step):
             part = keys[g : g + step]
-            transfer = SimpleNamespace(keys=[part], block_ids=[perm[g * PER_CHUNK : (g + len(part)) * PER_CHUNK]])
+            transfer = SimpleNamespace(
+                request_id="bench",
+                keys=[part],
+                block_ids=[perm[g * PER_CHUNK : (g + len(part)) * PER_CHUNK]],
+                ends_prompt=False,
+            )
             meta = SimpleNamespace(saves=[transfer], loads=[])
             path.begin_step(meta)
             for layer in range(LAYERS):
@@ -362,7 +367,9 @@ def bench_gateway(args: argparse.Namespace) -> None:
         result["stored_chunks"] = stored
         result["store_to_ram_tier_GBps"] = round(stored * size / store_s / 1e9, 2)
 
-        def restore() -> float:
+        def restore(loader: DataPath = path, layered: bool = False) -> float:
+            """One restore of every chunk; ``layered``: as an engine's loader thread makes it,
+            its last ``engine.load_layered_mb`` copied layer by layer (`DataPath.load`)."""
             transfer = SimpleNamespace(
                 keys=[keys],
                 block_ids=[perm[chunks * PER_CHUNK :]],
@@ -370,32 +377,58 @@ def bench_gateway(args: argparse.Namespace) -> None:
                 skip_blocks=0,
                 recompute_s=(),
             )
-            path.begin_step(SimpleNamespace(saves=[], loads=[transfer]))
-            path.begin_loads()
+            loader.begin_step(SimpleNamespace(saves=[], loads=[transfer]))
+            loader.begin_loads()
             sync()
             t0 = time.perf_counter()
-            restored = path.load(transfer)
-            path.copy.wait_loads()
+            answers: list[int] = []
+            restored = loader.load(transfer, answered=answers.append if layered else None)
+            loader.copy.wait_loads()
             sync()
-            assert restored == chunks * PER_CHUNK, restored
+            assert restored == chunks * PER_CHUNK and answers == ([restored] if layered else []), (restored, answers)
             return time.perf_counter() - t0
 
-        restores = [restore() for _ in range(args.repeat)]
+        def mismatched() -> int:
+            """Sampled restored blocks that differ from the blocks they were saved from."""
+            return sum(
+                not torch.equal(tensors[layer][perm[chunks * PER_CHUNK + i]], tensors[layer][perm[i]])
+                for layer in (0, 31)
+                for i in range(0, chunks * PER_CHUNK, 7)
+            )
+
+        def restores(loader: DataPath, layered: bool) -> list[float]:
+            """``args.repeat`` restores into blocks zeroed first; every one checked."""
+            for tensor in tensors:
+                tensor[perm[chunks * PER_CHUNK :]] = 0
+            times = [restore(loader, layered) for _ in range(args.repeat)]
+            result["restore_mismatched_blocks_sampled"] += mismatched()
+            return times
+
+        # The same restore with its last requests copied layer by layer: the default window
+        # (engine.load_layered_mb), and the widest one (a staging slot per layer).
+        widest = EngineSection(load_layered_mb=65536)
+        wide = DataPath(
+            DeviceCopy(tensors, blocks, PER_CHUNK, widest.load_batch_bytes, widest.save_staging_bytes_max, None,
+                       widest.loads_in_flight_max),
+            names, load_link, save_link, 0, b"B" * 16, count, widest, register=register,
+        )  # fmt: skip
+        assert wide.share(path), "no staging for the layered restore"
+        result["restore_mismatched_blocks_sampled"] = 0
+        for name, loader, setting in (("tail", path, engine), ("widest", wide, widest)):
+            times = restores(loader, layered=True)
+            result[f"restore_layered_{name}_mb"] = min(setting.load_layered_mb, wide.copy.held_chunks_max * size >> 20)
+            result[f"restore_layered_{name}_GBps"] = round(chunks * size / statistics.median(times) / 1e9, 2)
+            result[f"restore_layered_{name}_s_all"] = [round(t, 4) for t in times]
+        wide.close()
+        times = restores(path, layered=False)
         if args.profile:
             from bench.gpu_timeline import profile_request
 
             trace = out_dir(args) / f"trace-gateway-{chunks}.json.gz"
             _, result["profiled_restore"] = profile_request(restore, trace)
             print(f"[gateway] profiled restore: {json.dumps(result['profiled_restore']['steps_ms'])}", flush=True)
-        restore_s = statistics.median(restores)
-        result["restore_from_ram_tier_GBps"] = round(chunks * size / restore_s / 1e9, 2)
-        result["restore_s_all"] = [round(t, 4) for t in restores]
-        bad = sum(
-            not torch.equal(tensors[layer][perm[chunks * PER_CHUNK + i]], tensors[layer][perm[i]])
-            for layer in (0, 31)
-            for i in range(0, chunks * PER_CHUNK, 7)
-        )
-        result["restore_mismatched_blocks_sampled"] = int(bad)
+        result["restore_from_ram_tier_GBps"] = round(chunks * size / statistics.median(times) / 1e9, 2)
+        result["restore_s_all"] = [round(t, 4) for t in times]
         client = GatewayClient.connect(config.gateway, "bench status")
         result["gateway_status"] = client.status().to_document()
         client.close()

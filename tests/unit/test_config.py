@@ -122,6 +122,11 @@ def _tiers(*tiers: dict[str, Any]) -> dict[str, Any]:
             id="no load in flight",
         ),
         pytest.param(
+            {"engine": {"load_layered_mb": -1}},
+            ["engine.load_layered_mb", "greater than or equal to 0"],
+            id="negative layered load",
+        ),
+        pytest.param(
             _tiers(
                 {"name": "ram", "type": "ram", "capacity_gb": 1},
                 {"name": "ram", "type": "file", "path": "/x", "capacity_gb": 1},

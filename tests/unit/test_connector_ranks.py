@@ -22,6 +22,8 @@ from kvharbor.connector.link import CacheLink, RankSwitch
 from kvharbor.connector.ranks import RankAgreement, SoleRank
 from kvharbor.connector.vllm.metadata import ChunkTransfer, KVHarborMetadata
 from kvharbor.connector.vllm.worker import WorkerSide
+from kvharbor.gateway.client import GatewayRefused
+from kvharbor.gateway.protocol import ErrorCode
 from tests.support.real_gateway import RealGateway
 from tests.support.stand_ins import LAYERS, layout
 
@@ -147,6 +149,34 @@ def test_a_restore_short_on_one_rank_is_short_on_every_rank(real_gateway: RealGa
     for side in sides:
         side.close()
     assert gateway.puts - puts == RANKS
+    assert [gateway.holds(keys) for keys in OTHER + NEXT] == [1, 1, 0, 0]
+
+
+def test_a_restore_short_on_one_rank_after_the_answer_is_short_on_every_rank(real_gateway: RealGateway) -> None:
+    """Both ranks' gateways answered the restore in full and the forward pass ran over it; then
+    rank 1 could not give back its held request's room after the copy (not counted): the ranks
+    agree again after the forward pass, report the same blocks, and neither saves the
+    request's chunk computed in that step, while the cache stays on."""
+    gateway, group = real_gateway, ThreadGroup(RANKS)
+    for writer in workers(gateway.config, group, [caches(seed=rank) for rank in range(RANKS)]):
+        save_now(writer, chunks(KEYS, [1, 2, 3, 4, 5, 6]))
+    sides = workers(gateway.config, group, [caches(seed=None) for _ in range(RANKS)])
+    client = sides[1]._load_link._client
+    assert client is not None
+
+    def refuse(batch: Any) -> None:
+        raise GatewayRefused(ErrorCode.BUSY, "busy")
+
+    client.release = refuse  # type: ignore[method-assign]
+    metas = step([chunks(KEYS, [9, 10, 11, 12, 13, 14])], [chunks(NEXT, [1, 2]), chunks(OTHER, [3, 4], "other")])
+    on_every_rank(sides, lambda side: side.prepare_load(metas[side.rank]))
+    on_every_rank(sides, lambda side: side.load(metas[side.rank]))
+    assert [[s.request_id for s in meta.saves] for meta in metas] == [["r", "other"]] * RANKS
+    on_every_rank(sides, lambda side: side.save(metas[side.rank]))
+    assert [side.take_load_errors() for side in sides] == [set(range(9, 15))] * RANKS
+    assert [side.take_stats()["cache_off"] for side in sides] == [0, 0]
+    for side in sides:
+        side.close()
     assert [gateway.holds(keys) for keys in OTHER + NEXT] == [1, 1, 0, 0]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,8 @@ from kvharbor.connector.link import CacheLink, RankSwitch
 from kvharbor.connector.vllm.layout import ConnectorRefusal
 from kvharbor.connector.vllm.metadata import ChunkTransfer, KVHarborMetadata
 from kvharbor.connector.vllm.worker import WorkerSide
+from kvharbor.gateway.client import GatewayRefused
+from kvharbor.gateway.protocol import ErrorCode
 from tests.support.real_gateway import RealGateway
 from tests.support.stand_ins import LAYERS, layout
 
@@ -318,6 +321,84 @@ def test_a_first_copy_that_does_not_come_holds_the_engine_no_longer_than_the_sta
     finally:
         release.set()
         side.close()
+
+
+def test_a_layered_restore_lets_the_step_go_on_once_the_gateway_answered(real_gateway: RealGateway) -> None:
+    """The last requests of an early restore (here all: ``engine.load_layered_mb`` covers them)
+    are copied layer by layer after the gateway answered them: `load` returns then, and the
+    forward pass waits for each layer's copies (`wait_layer`) while the rest are made."""
+    gateway, source, target = real_gateway, caches(seed=11), caches(seed=None)
+    saved(gateway, source)
+    side = worker(gateway, target)
+    release = threading.Event()
+    try:
+        path = side._path
+        assert path is not None
+        copy, real_flush = path.copy, path.copy.flush_held
+
+        def flush_held(mapping: Any) -> Any:
+            assert release.wait(60)
+            return real_flush(mapping)
+
+        copy.flush_held = flush_held  # type: ignore[method-assign]
+        meta = KVHarborMetadata(loads=[transfer([K0, K1], [9, 5, 12, 7])])
+        side.prepare_load(meta)
+        side.begin_step(meta)
+        side.load(meta)  # Answered: the held copies wait for this thread.
+        assert all(not target[n][[9, 5, 12, 7]].any() for n in LAYERS)
+        layer = threading.Thread(target=side.wait_layer, args=(LAYERS[1],))
+        layer.start()
+        layer.join(0.05)
+        assert layer.is_alive()  # The forward pass at its second layer: waiting for its copies.
+        release.set()
+        layer.join(30)
+        assert not layer.is_alive() and same_pages(target, [9, 5, 12, 7], source, [1, 2, 3, 4])
+        side.save(meta)
+        assert side.take_load_errors() == set()
+        stats = side.take_stats()
+        assert (stats["loads"], stats["loaded_chunks"], stats["load_errors"]) == (1, 2, 0)
+    finally:
+        release.set()
+        side.close()
+
+
+def test_a_restore_that_falls_short_after_the_answer_is_recomputed_and_not_saved(
+    real_gateway: RealGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The gateway answered a restore in full, then refuses to take back the room of its held
+    request after the copy (the bytes may not have been the gateway's to read): the forward pass
+    has run over the restore, so its blocks are reported after it (vLLM discards the step's
+    answer and recomputes) and the request's chunks of that step are not stored; the cache
+    stays on, and another request's chunk of the step is stored."""
+    gateway, source, target = real_gateway, caches(seed=12), caches(seed=None)
+    saved(gateway, source)
+    side = worker(gateway, target)
+    try:
+        client = side._load_link._client
+        assert client is not None
+
+        def refuse(batch: Any) -> None:
+            raise GatewayRefused(ErrorCode.BUSY, "busy")
+
+        client.release = refuse  # type: ignore[method-assign]
+        later, other = bytes([6]) * 16, bytes([7]) * 16
+        meta = KVHarborMetadata(
+            loads=[transfer([K0, K1], [9, 5, 12, 7])],
+            saves=[transfer([later], [13, 14]), ChunkTransfer(request_id="other", keys=[[other]], block_ids=[[1, 2]])],
+        )
+        side.prepare_load(meta)
+        side.begin_step(meta)
+        side.load(meta)
+        assert [s.request_id for s in meta.saves] == ["r", "other"]  # Answered in full: saves stand, so far.
+        with caplog.at_level(logging.WARNING, "kvharbor"):
+            side.save(meta)
+        assert side.take_load_errors() == {9, 5, 12, 7}
+        stats = side.take_stats()
+        assert (stats["load_errors"], stats["cache_off"]) == (4, 0)
+        assert sum("fell short" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        side.close()
+    assert (gateway.holds([later]), gateway.holds([other])) == (0, 1)
 
 
 def test_a_restore_prepared_for_a_step_that_never_ran_is_not_taken_for_the_next(real_gateway: RealGateway) -> None:

@@ -406,7 +406,18 @@ def test_load_streamed_overlaps_and_releases_after_the_wait() -> None:
     assert done == 7 and sunk == list(range(7))
     # Request n+1 is asked for before request n's copies are waited for and its room given back.
     # The engine is told what was answered before the last copies are waited for.
-    assert events == ["get1", "get2", "wait1", "release1", "get3", "answered7", "wait2", "release2", "wait3", "release3"]
+    assert events == [
+        "get1",
+        "get2",
+        "wait1",
+        "release1",
+        "get3",
+        "answered7",
+        "wait2",
+        "release2",
+        "wait3",
+        "release3",
+    ]
     assert link.counters.loaded_chunks == 7
 
 
@@ -475,6 +486,131 @@ def test_load_streamed_after_a_lost_gateway_counts_nothing_in_flight() -> None:
     done, _, link = streamed(client, KEYS, 3)
     # Request 2's copies were waited for, but its memory may have been reused: not counted.
     assert done == 3 and events == ["get1", "get2", "wait1", "release1", "wait2"] and link.is_off
+
+
+def test_load_streamed_holds_its_last_requests_for_one_copy_after_the_answer() -> None:
+    """Requests from ``hold_from`` on are held uncopied; once the last is answered the engine
+    is told, then the held ones are copied together and given back after that copy."""
+    events: list[str] = []
+    client = FakeClient({k: b"x" * 8 for k in KEYS}, events)
+    done, sunk, link = streamed(client, KEYS, 2, hold_from=4)
+    assert done == 7 and sunk == list(range(7)) and not client.held
+    assert events == [
+        *["get1", "get2", "wait1", "release1"],  # Streamed: two under way at once.
+        *["get3", "hold", "get4", "hold"],  # Held: no copy yet, not given back.
+        *["answered7", "flush_held", "wait2", "release2", "held", "release3", "release4"],
+    ]
+    assert link.counters.loaded_chunks == 7
+
+
+def test_load_streamed_streams_a_held_request_whose_values_came_through_the_ring() -> None:
+    """Only values served in place are held: ring room must be given back as the load goes."""
+    events: list[str] = []
+    client = FakeClient({k: b"x" * 8 for k in KEYS}, events, in_ring=True)
+    done, _, _ = streamed(client, KEYS, 2, hold_from=0)
+    assert done == 7 and "hold" not in events and "flush_held" not in events
+    assert events[:4] == ["get1", "get2", "wait1", "release1"]
+
+
+def test_load_streamed_drops_what_it_held_when_a_later_request_fails() -> None:
+    events: list[str] = []
+    client = FakeClient({k: b"x" for k in KEYS}, events, fail_get=3)
+    client.error = GatewayRefused(ErrorCode.BUSY, "busy")  # type: ignore[attr-defined]
+    done, _, link = streamed(client, KEYS, 2, hold_from=2)
+    # Request 2 was held, never copied: dropped and given back, not counted; request 1 was.
+    assert done == 2 and not link.is_off and not client.held
+    assert events == ["get1", "get2", "hold", "drop_held", "wait1", "release1", "release2"]
+
+
+def test_load_streamed_counts_no_held_request_whose_room_was_not_given_back() -> None:
+    events: list[str] = []
+    client = FakeClient({k: b"x" for k in KEYS}, events)
+    client.refuse_release = 3
+    done, _, link = streamed(client, KEYS, 2, hold_from=2)
+    # Requests 2 and 4 were given back after the held copy; 3 was refused twice (at the end
+    # and once more as the load gave up): it and what follows are not counted.
+    assert done == 4 and not link.is_off
+    assert events[-6:] == ["held", "release2", "refused3", "held", "refused3", "held"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_held_flush_releases_each_layer_to_the_engine_once_its_pages_are_in(backend: str) -> None:
+    """`wait_layer` blocks while a step holds loads, and returns for a layer only once that
+    layer's pages of every held chunk are in (on CPU tensors a copy is done when queued)."""
+    src = layers()
+    saver = make_copy(backend, src)
+    size = saver.chunk_bytes
+    chunks = [[1, 9, 3, 30], [4, 5, 6, 7], [20, 2, 11, 12]]
+    shm = Shm(4 * size)
+    offsets = [3 * size, 0, size]  # chunks 1 and 2 back to back: one run of rows per layer
+    save_chunks(saver, chunks, shm, offsets)
+
+    dst = [torch.zeros_like(t) for t in src]
+    loader = make_copy(backend, dst, load_batch_bytes=2 * size)
+    assert loader.held_chunks_max == 2 * LAYERS
+    targets = [[21, 22, 23], [24, 25, 26, 27], [28, 29]]
+    sources = [[9, 3, 30], [4, 5, 6, 7], [20, 2]]
+    loader.begin_loads()
+    loader.stage_load(shm.mapping, shm.span(offsets[0], size), [ChunkPart(1, targets[0])])
+    loader.stage_load(shm.mapping, shm.span(offsets[1], size), [ChunkPart(0, targets[1])])
+    loader.hold_load()
+    loader.stage_load(shm.mapping, shm.span(offsets[2], size), [ChunkPart(0, targets[2])])
+    loader.hold_load()
+    assert not any(t.any() for t in dst)  # held: nothing copied yet
+
+    def layer_in(layer: int) -> bool:
+        return all(
+            torch.equal(dst[layer][t], src[layer][s])
+            for ts, ss in zip(targets, sources, strict=True)
+            for t, s in zip(ts, ss, strict=True)
+        )
+
+    seen: dict[int, bool] = {}
+
+    def engine(layer: int) -> None:
+        loader.wait_layer(layer)
+        seen[layer] = layer_in(layer)
+
+    waiting = [threading.Thread(target=engine, args=(layer,)) for layer in range(LAYERS)]
+    for thread in waiting:
+        thread.start()
+    waiting[0].join(0.05)
+    assert all(thread.is_alive() for thread in waiting)  # the held copies are not queued yet
+    loader.flush_held(shm.mapping)()
+    for thread in waiting:
+        thread.join(30)
+    assert seen == dict.fromkeys(range(LAYERS), True)
+    loader.wait_loads()
+    restored = {t for ts in targets for t in ts}
+    assert all(not dst[layer][b].any() for layer in range(LAYERS) for b in range(BLOCKS) if b not in restored)
+    loader.wait_layer(LAYERS - 1)  # nothing held: no wait
+    for _ in range(LAYERS):  # a staging slot's worth of every layer: the most a step may hold
+        for _ in range(loader.chunks_per_load):
+            loader.stage_load(shm.mapping, shm.span(0, size), [ChunkPart(0, [1])])
+        loader.hold_load()
+    loader.stage_load(shm.mapping, shm.span(0, size), [ChunkPart(0, [1])])
+    with pytest.raises(RuntimeError, match=f"{2 * LAYERS + 1} chunks held, at most {2 * LAYERS}"):
+        loader.hold_load()
+    loader.drop_held()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dropped_held_loads_release_the_engine_uncopied(backend: str) -> None:
+    dst = layers(lambda: torch.zeros(BLOCKS, HEADS, TOKENS, HEAD2))
+    loader = make_copy(backend, dst, load_batch_bytes=1)
+    shm = Shm(loader.chunk_bytes)
+    shm.buffer[:] = b"\x01" * len(shm.buffer)
+    loader.begin_loads()
+    loader.stage_load(shm.mapping, shm.span(0, loader.chunk_bytes), [ChunkPart(0, [5, 6, 7, 8])])
+    loader.hold_load()
+    waiting = threading.Thread(target=loader.wait_layer, args=(1,))
+    waiting.start()
+    waiting.join(0.05)
+    assert waiting.is_alive()
+    loader.drop_held()
+    waiting.join(30)
+    assert not waiting.is_alive()
+    assert loader.flush_held(shm.mapping) is not None and not any(t.any() for t in dst)  # nothing left to copy
 
 
 # -- the data path against a real gateway (CPU tensors) ------------------------------
@@ -604,6 +740,76 @@ def test_the_data_path_saves_and_restores_through_the_gateway(gateway_config: An
         loader.close()
     finally:
         saver.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_load_told_when_answered_copies_its_last_requests_layer_by_layer(gateway_config: Any, backend: str) -> None:
+    """As the loader thread restores (`DataPath.load` with ``answered``): the last
+    ``engine.load_layered_mb`` of requests are held, the engine is told what the gateway
+    answered, then they are copied in layer by layer; the rest streams as before."""
+    src = layers()
+    saver, _ = data_path(gateway_config, make_copy(backend, src))
+    dst = [torch.zeros_like(t) for t in src]
+    # One chunk per request; layered: the last two requests (a chunk is 96 KiB, the setting 0.2 MiB).
+    loader, counts = data_path(gateway_config, make_copy(backend, dst), engine=EngineSection(load_layered_mb=0))
+    loader._layered_bytes = 2 * loader.copy.chunk_bytes + 1  # Whole requests only: two of them.
+    try:
+        assert saver.map() and loader.map()
+        keys = [bytes([10, i]) * 8 for i in range(4)]
+        blocks = list(range(1, 17))
+        save = ChunkTransfer("r", [keys], block_ids=[blocks])
+        meta = KVHarborMetadata(saves=[save])
+        saver.begin_step(meta)
+        parts = saver.end_step(meta)
+        assert parts is not None
+        assert saver._save_link.store(saver.fingerprint, [(k, saver.copy.chunk_bytes) for k in keys], parts.fill,
+                                      parts.settle) == 4  # fmt: skip
+        parts.done()
+
+        order: list[str] = []
+        copy = loader.copy
+        real_flush, real_held = copy.flush_load, copy.flush_held
+        copy.flush_load = lambda m: order.append("flush") or real_flush(m)  # type: ignore[method-assign,func-returns-value]
+        copy.flush_held = lambda m: order.append("flush_held") or real_held(m)  # type: ignore[method-assign,func-returns-value]
+        load = ChunkTransfer("r", [keys], block_ids=[list(range(20, 35))], skip_blocks=1)
+        loader.begin_loads()
+        assert loader.load(load, answered=lambda b: order.append(f"answered{b}")) == 15
+        loader.end_step(KVHarborMetadata())
+        assert order == ["flush", "flush", "answered15", "flush_held"]
+        for layer in range(LAYERS):
+            assert torch.equal(dst[layer][20:35], src[layer][2:17])
+        assert counts["loaded_chunks"] == 4
+    finally:
+        loader.close()
+        saver.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_step_stores_none_of_the_chunks_of_a_dropped_request(backend: str) -> None:
+    """A request whose restore fell short after the forward pass had started (`WorkerSide._settle`)
+    has its chunks of the step left out of what is stored; the others keep their pages."""
+    src = layers()
+    copy = make_copy(backend, src)
+    path, _ = data_path(Config(), copy)
+    shm = [Shm(4 * copy.chunk_bytes), Shm(4 * copy.chunk_bytes)]
+    path.mappings = [shm[0].mapping, shm[1].mapping]
+    a, b = (
+        ChunkTransfer("a", [[b"a" * 16, b"A" * 16]], block_ids=[list(range(1, 9))]),
+        ChunkTransfer("b", [[b"b" * 16]], block_ids=[[9, 10, 11, 12]]),
+    )
+    meta = KVHarborMetadata(saves=[a, b])
+    path.begin_step(meta)
+    for name in NAMES:
+        path.save_layer(name)
+    parts = path.end_step(meta, dropped={"a"})
+    assert parts is not None and parts.keys == [b"b" * 16]
+    parts.fill(0, shm[1].span(0, copy.chunk_bytes))
+    parts.settle()
+    parts.done()
+    stored = bytes(shm[1].span(0, copy.chunk_bytes))
+    assert stored == b"".join(
+        stored_block(backend, src[layer], blk) for layer in range(LAYERS) for blk in (9, 10, 11, 12)
+    )
 
 
 def test_the_data_path_turns_the_cache_off_when_pinning_fails(
