@@ -118,7 +118,7 @@ class PageCopy(Protocol):
         that layer's held copies are queued (`hold_load`), the engine's work for their end."""
 
     def wait_loads(self) -> None:
-        """Make the engine wait for every load so far (end of a step)."""
+        """Make the engine wait for every load so far (end of a step), held ones included."""
 
     def open_save(self, block_ids: Sequence[GroupBlocks], wait_s: float) -> StepSave | None:
         """A save of the given chunks' blocks (``blocks_per_chunk`` each in every group), or of
@@ -210,10 +210,16 @@ class HeldLoads:
             self._layers_queued = None
             self._gate.notify_all()
 
-    def wait(self, layer: int) -> None:
-        """On the engine's thread: until ``layer`` is released."""
+    def wait(self, layer: int | None = None) -> None:
+        """On the engine's thread: until ``layer`` is released (None: every layer).
+
+        Unbounded: what releases it runs on the loader thread whatever the load's end (its
+        last step, `WorkerSide`'s loader, drops what is held), and nothing between a hold
+        and the flush waits for the gateway: the held values are in hand by then."""
         with self._gate:
-            self._gate.wait_for(lambda: self._layers_queued is None or self._layers_queued > layer)
+            self._gate.wait_for(
+                lambda: self._layers_queued is None or (layer is not None and self._layers_queued > layer)
+            )
 
 
 def load_request_chunks(load_batch_bytes: int, chunk_bytes: int) -> int:

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 from kvharbor.connector.vllm.chunks import blocks_before, chunk_load, plan_saves, unread_chunks
 from kvharbor.connector.vllm.copier import MIB, PageCopy, StagingUnavailable, StepSave, Wait
 from kvharbor.connector.vllm.pinning import PinError, PinnedMapping, Register
+from kvharbor.connector.vllm.rows import gpu_row_copies
 from kvharbor.gateway.shm import ShmUnavailable
 from kvharbor.telemetry.log import OnceLog, get_logger
 
@@ -190,9 +191,9 @@ class DataPath:
         if self._register is not None:
             _log.info(
                 "kvharbor: shared memory page-locked for the GPU (%d mapping(s) of %d MiB in %.2f s); "
-                "%.1f MiB per chunk, %d chunk(s) per load request",
+                "%.1f MiB per chunk, %d chunk(s) per load request; a restore's last %d MiB layer by layer, %s",
                 len(self.mappings), self.mappings[0].size >> 20, time.perf_counter() - started,
-                self.copy.chunk_bytes / MIB, self.copy.chunks_per_load,
+                self.copy.chunk_bytes / MIB, self.copy.chunks_per_load, self._layered_bytes // MIB, gpu_row_copies(),
             )  # fmt: skip
         return True
 

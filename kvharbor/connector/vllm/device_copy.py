@@ -260,6 +260,7 @@ class DeviceCopy:
             engine_stream(self.device).wait(self._layer_ready[layer])
 
     def wait_loads(self) -> None:
+        self._held.wait()  # A layer the forward pass did not wait for may still be being queued.
         if self._layer_ready:
             engine_stream(self.device).wait(self._layer_ready[-1])
             self._layer_ready = []

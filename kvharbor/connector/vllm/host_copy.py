@@ -107,7 +107,7 @@ class HostCopy:
         self._held.wait(layer)
 
     def wait_loads(self) -> None:
-        pass
+        self._held.wait()
 
     def open_save(self, block_ids: Sequence[GroupBlocks], wait_s: float) -> StepSave | None:
         return _HostSave(self, block_ids) if block_ids else None

@@ -44,6 +44,13 @@ def _cudart() -> ctypes.CDLL | None:
     return None
 
 
+def gpu_row_copies() -> str:
+    """How `copy_rows` moves rows into a GPU buffer in this process (said at start)."""
+    if _cudart() is not None:
+        return "one two-dimensional copy per run of chunks (cudaMemcpy2DAsync)"
+    return "one copy per row (no CUDA runtime library mapped in this process)"
+
+
 def copy_rows(target: torch.Tensor, source: torch.Tensor, runs: Sequence[tuple[int, int]], row_bytes: int,
               pitch_bytes: int) -> None:  # fmt: skip
     """Copy rows of ``row_bytes`` from the byte tensor ``source`` into ``target`` (contiguous
