@@ -203,7 +203,8 @@ class DeviceCopy:
         layer_bytes = size // len(pages.layers)
         by_group = [[chunk for chunk in held if chunk.parts[g].targets] for g in range(pages.group_count)]
         runs = [[(at, n) for _, n, at in contiguous_runs([c.offset for c in chunks], size)] for chunks in by_group]
-        scatters = [self._scatter_index(chunks, g) for g, chunks in enumerate(by_group)]
+        with self._scatter.on():  # The index copies go on the stream of the scatters that read them.
+            scatters = [self._scatter_index(chunks, g) for g, chunks in enumerate(by_group)]
         ready = list(self._layer_ready) or [self._scatter.record()] * len(pages.layers)
         self._layer_ready = ready
         copied = None
