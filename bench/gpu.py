@@ -163,10 +163,7 @@ def bench_raw(args: argparse.Namespace) -> None:
     blocks = 2 * chunks * PER_CHUNK + 64
     tensors = kv_tensors(blocks)
     engine = EngineSection()
-    pages = DeviceCopy(
-        tensors, blocks, PER_CHUNK, engine.load_batch_bytes, engine.save_staging_bytes_max, None,
-        engine.loads_in_flight_max,
-    )  # fmt: skip
+    pages = DeviceCopy.for_engine(tensors, blocks, PER_CHUNK, engine)
     size = pages.chunk_bytes
     total = chunks * size
     perm = torch.randperm(blocks - 1)[: 2 * chunks * PER_CHUNK].add_(1).tolist()
@@ -311,10 +308,7 @@ def bench_gateway(args: argparse.Namespace) -> None:
     blocks = 2 * chunks * PER_CHUNK + 64
     tensors = kv_tensors(blocks)
     engine = EngineSection()  # The data path's defaults: what an engine runs with.
-    pages = DeviceCopy(
-        tensors, blocks, PER_CHUNK, engine.load_batch_bytes, engine.save_staging_bytes_max, None,
-        engine.loads_in_flight_max,
-    )  # fmt: skip
+    pages = DeviceCopy.for_engine(tensors, blocks, PER_CHUNK, engine)
     size = pages.chunk_bytes
     work = Path(f"/tmp/kvh-bench-gw-{os.getpid()}")
     work.mkdir(parents=True, exist_ok=True)
@@ -408,8 +402,7 @@ def bench_gateway(args: argparse.Namespace) -> None:
         # (engine.load_layered_mb), and the widest one (a staging slot per layer).
         widest = EngineSection(load_layered_mb=65536)
         wide = DataPath(
-            DeviceCopy(tensors, blocks, PER_CHUNK, widest.load_batch_bytes, widest.save_staging_bytes_max, None,
-                       widest.loads_in_flight_max),
+            DeviceCopy.for_engine(tensors, blocks, PER_CHUNK, widest),
             names, load_link, save_link, 0, b"B" * 16, count, widest, register=register,
         )  # fmt: skip
         assert wide.share(path), "no staging for the layered restore"

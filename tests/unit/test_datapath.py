@@ -64,7 +64,7 @@ def make_copy(
         return HostCopy(tensors, BLOCKS, PER_CHUNK, load_batch_bytes, groups)
     # Three load requests under way over the two staging slots: a slot is reused while the
     # request that used it before is still held.
-    return DeviceCopy(tensors, BLOCKS, PER_CHUNK, load_batch_bytes, save_staging_bytes_max, groups, 3)
+    return DeviceCopy(tensors, BLOCKS, PER_CHUNK, load_batch_bytes, save_staging_bytes_max, groups, 3, 0)
 
 
 def stored_block(backend: str, t: torch.Tensor, b: int) -> bytes:
@@ -242,7 +242,7 @@ def test_wrong_sizes_and_blocks_past_a_chunk_are_refused(backend: str) -> None:
 
 
 def test_device_save_staging_is_bounded() -> None:
-    copy = DeviceCopy(layers(), BLOCKS, PER_CHUNK, 1, save_staging_bytes_max=1, groups=None, loads_in_flight_max=2)
+    copy = DeviceCopy(layers(), BLOCKS, PER_CHUNK, 1, 1, None, loads_in_flight_max=2, layered_row_bytes=0)
     size = copy.chunk_bytes
     assert copy.save_staging_bytes_max == size  # at least one chunk
     first = copy.open_save([[[1, 2, 3, 4]], [[5, 6, 7, 8]]], 5.0)
@@ -594,6 +594,35 @@ def test_a_held_flush_releases_each_layer_to_the_engine_once_its_pages_are_in(ba
     loader.drop_held()
 
 
+@pytest.mark.parametrize(("row_layers", "released"), [(0, [0, 1, 2]), (2, [1, 2]), (99, [2])])
+def test_a_device_held_flush_copies_layers_together_in_rows_of_the_least_size(
+    row_layers: int, released: list[int]
+) -> None:
+    """``engine.load_layered_row_mb``: consecutive layers of each held chunk cross together
+    (rows of at least that size, a staging slot's worth at most), and are released together."""
+    src = layers()
+    saver = make_copy("device", src)
+    size = saver.chunk_bytes
+    shm = Shm(3 * size)
+    chunks = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]
+    save_chunks(saver, chunks, shm, [0, size, 2 * size])
+    dst = [torch.zeros_like(t) for t in src]
+    layer_bytes = size // LAYERS
+    loader = DeviceCopy(dst, BLOCKS, PER_CHUNK, 3 * size, 1 << 30, None, 2, row_layers * layer_bytes)
+    queued: list[int] = []
+    real_queued = loader._held.queued
+    loader._held.queued = lambda layer: queued.append(layer) or real_queued(layer)  # type: ignore[method-assign,func-returns-value]
+    loader.begin_loads()
+    for c in range(3):
+        loader.stage_load(shm.mapping, shm.span(c * size, size), [ChunkPart(0, [20 + 4 * c + b for b in range(4)])])
+    loader.hold_load()
+    loader.flush_held(shm.mapping)()
+    loader.wait_loads()
+    assert queued == released
+    for layer in range(LAYERS):
+        assert torch.equal(dst[layer][20:32], src[layer][1:13])
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_dropped_held_loads_release_the_engine_uncopied(backend: str) -> None:
     dst = layers(lambda: torch.zeros(BLOCKS, HEADS, TOKENS, HEAD2))
@@ -872,7 +901,7 @@ def test_a_step_that_waited_for_staging_is_not_a_prefill_sample() -> None:
         CacheLink(Config(), "load", connect=lambda c, n: None, switch=switch),  # type: ignore[arg-type,return-value]
         CacheLink(Config(), "save", connect=lambda c, n: None, switch=switch),  # type: ignore[arg-type,return-value]
     )
-    copy = DeviceCopy(layers(), BLOCKS, PER_CHUNK, 1, save_staging_bytes_max=1, groups=None, loads_in_flight_max=2)
+    copy = DeviceCopy(layers(), BLOCKS, PER_CHUNK, 1, 1, None, loads_in_flight_max=2, layered_row_bytes=0)
     path, _ = data_path(Config(), copy, links=links)
     path.mappings = [Shm(copy.chunk_bytes).mapping, Shm(copy.chunk_bytes).mapping]
     meta = KVHarborMetadata(saves=[ChunkTransfer("r", [[b"k" * 16]], block_ids=[[1, 2, 3, 4]])])

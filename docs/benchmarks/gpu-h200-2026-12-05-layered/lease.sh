@@ -7,7 +7,8 @@
 # 130k's size (507 chunks: the data path chunk by chunk, with the default layered window and the
 # widest), then restart --phases service with the default (2048 MiB layered); then off: the same
 # restart with KVHARBOR__ENGINE__LOAD_LAYERED_MB=0 (chunk by chunk) on the same host; again: the
-# default once more, after it. Each restart's logs are packed into one archive.
+# default once more, after it; both: go then off in one command (lease 2). Each restart's logs
+# are packed into one archive.
 set -uo pipefail
 step=$1
 here=$(dirname "$0")
@@ -22,6 +23,8 @@ go)
     | grep -o '"restore_[a-z_]*": [^,]*\|Error.*'
   restart layered KVHARBOR__ENGINE__LOAD_LAYERED_MB=2048 ;;
 off) restart chunked KVHARBOR__ENGINE__LOAD_LAYERED_MB=0 ;;
+both)  # Lease 2, after engine.load_layered_row_mb: go, then off, in one command.
+  bash "$0" go; bash "$0" off ;;
 again) restart layered2 KVHARBOR__ENGINE__LOAD_LAYERED_MB=2048 ;;
 *) echo "unknown step $step"; exit 2 ;;
 esac

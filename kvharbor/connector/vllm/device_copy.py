@@ -27,6 +27,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -46,6 +47,9 @@ from kvharbor.connector.vllm.pinning import PinnedMapping
 from kvharbor.connector.vllm.rows import copy_rows
 from kvharbor.connector.vllm.streams import Event, engine_stream, new_stream, synchronize
 
+if TYPE_CHECKING:
+    from kvharbor.config import EngineSection
+
 LOAD_SLOTS = 2
 """Device staging slots of loads: one is copied in while the other is scattered (the copy
 stream waits for a slot's scatter before its next copy, so any number of requests may be
@@ -64,18 +68,21 @@ class DeviceCopy:
         save_staging_bytes_max: int,
         groups: Sequence[int] | None,
         loads_in_flight_max: int,
+        layered_row_bytes: int,
     ) -> None:
         """``load_batch_bytes``: bytes asked of the gateway per load request, and the size of each
         of the two device staging slots loads pass through (`LOAD_SLOTS`).
         ``save_staging_bytes_max``: device memory that saves still waiting for their
         device-to-host copy may hold (at least one chunk). ``groups``: each tensor's KV cache
         group (None: one group). ``loads_in_flight_max``: load requests whose copies may be
-        queued at once (``engine.loads_in_flight_max``)."""
+        queued at once (``engine.loads_in_flight_max``). ``layered_row_bytes``: the least bytes of a
+        chunk a held flush copies at once (``engine.load_layered_row_mb``: `_layers_per_row`)."""
         if blocks_per_chunk <= 0 or loads_in_flight_max <= 0:
             raise ValueError(
                 f"blocks_per_chunk {blocks_per_chunk} and loads_in_flight_max {loads_in_flight_max} must be positive"
             )
         self.loads_queued_max = loads_in_flight_max
+        self._layered_row_bytes = layered_row_bytes
         self.pages = PageLayers.of(tensors, num_blocks, block_major, groups)
         self.blocks_per_chunk = blocks_per_chunk
         self.chunks_per_load = load_request_chunks(load_batch_bytes, self.chunk_bytes)
@@ -98,6 +105,27 @@ class DeviceCopy:
         self._staging_bytes = 0
         self._staging = threading.Condition()
         self.staging_waited_s = 0.0
+
+    @classmethod
+    def for_engine(
+        cls,
+        tensors: Sequence[torch.Tensor],
+        num_blocks: int,
+        blocks_per_chunk: int,
+        engine: EngineSection,
+        groups: Sequence[int] | None = None,
+    ) -> DeviceCopy:
+        """The copy an engine of these settings runs with."""
+        return cls(
+            tensors,
+            num_blocks,
+            blocks_per_chunk,
+            engine.load_batch_bytes,
+            engine.save_staging_bytes_max,
+            groups,
+            engine.loads_in_flight_max,
+            engine.load_layered_row_bytes,
+        )
 
     @property
     def chunk_bytes(self) -> int:
@@ -201,32 +229,50 @@ class DeviceCopy:
         engine = self._engine_event("flush_held")
         pages, size = self.pages, self.chunk_bytes
         layer_bytes = size // len(pages.layers)
-        by_group = [[chunk for chunk in held if chunk.parts[g].targets] for g in range(pages.group_count)]
-        runs = [[(at, n) for _, n, at in contiguous_runs([c.offset for c in chunks], size)] for chunks in by_group]
-        with self._scatter.on():  # The index copies go on the stream of the scatters that read them.
-            scatters = [self._scatter_index(chunks, g) for g, chunks in enumerate(by_group)]
         ready = list(self._layer_ready) or [self._scatter.record()] * len(pages.layers)
         self._layer_ready = ready
-        copied = None
         self._scatter.wait(engine)
-        for index, (layer, group) in enumerate(zip(pages.layers, pages.groups, strict=True)):
-            scatter = scatters[group]
-            if scatter is not None:
+        copied = None
+        for group in range(pages.group_count):
+            first = pages.groups.index(group)
+            end = first + pages.groups.count(group)
+            chunks = [chunk for chunk in held if chunk.parts[group].targets]
+            if not chunks:  # Out of this group's window: nothing of it to restore.
+                self._held.queued(end - 1)
+                continue
+            runs = [(at, n) for _, n, at in contiguous_runs([c.offset for c in chunks], size)]
+            with self._scatter.on():  # The index copy goes on the stream of the scatters that read it.
+                scatter = self._scatter_index(chunks, group)
+            if scatter is None:
+                raise RuntimeError(f"held chunks restore blocks of group {group} and its scatter has none")
+            c_index, b_index, t_index = scatter
+            step = self._layers_per_row(len(chunks), end - first, layer_bytes)
+            for start in range(first, end, step):
+                stop = min(start + step, end)
                 slot_index, slot = self._take_slot()
-                count = len(by_group[group])
                 with self._h2d.on():
                     self._h2d.wait(self._slot_free[slot_index])
-                    layer_runs = [(offset + index * layer_bytes, n) for offset, n in runs[group]]
-                    copy_rows(slot, mapping.tensor, layer_runs, layer_bytes, size)
+                    layer_runs = [(offset + start * layer_bytes, n) for offset, n in runs]
+                    copy_rows(slot, mapping.tensor, layer_runs, (stop - start) * layer_bytes, size)
                     copied = self._h2d.record()
                 with self._scatter.on():
                     self._scatter.wait(copied)
-                    rows = slot[: count * layer_bytes].view(pages.dtype).view(count, -1, pages.page_elems)
-                    c_index, b_index, t_index = scatter
-                    layer.index_copy_(0, t_index, rows[c_index, b_index].view(len(t_index), *pages.page_shape))
-                    ready[index] = self._slot_free[slot_index] = self._scatter.record()
-            self._held.queued(index)
+                    rows = slot[: len(chunks) * (stop - start) * layer_bytes].view(pages.dtype)
+                    rows = rows.view(len(chunks), stop - start, -1, pages.page_elems)
+                    for j in range(start, stop):
+                        pages_in = rows[:, j - start][c_index, b_index].view(len(t_index), *pages.page_shape)
+                        pages.layers[j].index_copy_(0, t_index, pages_in)
+                    event = self._slot_free[slot_index] = self._scatter.record()
+                ready[start:stop] = [event] * (stop - start)
+                self._held.queued(stop - 1)
         return copied.synchronize if copied is not None else no_wait
+
+    def _layers_per_row(self, chunks: int, layers: int, layer_bytes: int) -> int:
+        """Consecutive layers of ``chunks`` held chunks copied at once: rows of at least
+        ``engine.load_layered_row_mb``, as many as a staging slot holds for all of them."""
+        slot_layers = self.chunks_per_load * self.chunk_bytes // (chunks * layer_bytes)
+        wanted = -(-self._layered_row_bytes // layer_bytes)
+        return max(1, min(layers, slot_layers, wanted))
 
     def _engine_event(self, flush: str) -> Event:
         """The engine's work a flush's scatters must follow (`begin_loads`), the slots reserved."""

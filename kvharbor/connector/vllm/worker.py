@@ -305,15 +305,7 @@ class WorkerSide:
         tensors, indices = [kv_caches[n] for n in ordered], [position[group_of[n]] for n in ordered]
         engine = self.config.engine
         if on_gpu:
-            copy: PageCopy = DeviceCopy(
-                tensors,
-                num_blocks,
-                blocks_per_chunk,
-                engine.load_batch_bytes,
-                engine.save_staging_bytes_max,
-                indices,
-                engine.loads_in_flight_max,
-            )
+            copy: PageCopy = DeviceCopy.for_engine(tensors, num_blocks, blocks_per_chunk, engine, indices)
         else:
             copy = HostCopy(tensors, num_blocks, blocks_per_chunk, engine.load_batch_bytes, indices)
         return copy, ordered
