@@ -6,8 +6,12 @@ One algorithm for a cache in host memory and one on a GPU, over a `copier.PageCo
   stage each chunk the gateway hands over, flush after every request of
   ``chunks_per_load`` chunks (``engine.load_batch_mb``), wait for a request's
   copies only once ``loads_queued_max`` requests are under way
-  (`CacheLink.load_streamed`; ``engine.loads_in_flight_max`` on a GPU). A ``proceed`` policy may stop a load between
-  requests (the worker's load cut).
+  (`CacheLink.load_streamed`; ``engine.loads_in_flight_max`` on a GPU). A
+  ``proceed`` policy may stop a load between requests (the worker's load cut).
+  A load on the loader thread holds its last requests (``engine.load_layered_mb``)
+  until the gateway has answered them, tells the engine, then copies them in layer
+  by layer (`PageCopy.flush_held`): the forward pass computes each layer as soon as
+  its copies are in (`wait_layer`).
 - **saves**: plan the step's chunks, open a save before the forward pass
   writes its first layer, gather layer by layer as the forward reports them
   (``save_kv_layer``), close at the end of the step; the saver thread then

@@ -6,7 +6,10 @@ straight from shared memory into the allocated blocks. They start as early
 as the worker can know them (`WorkerSide.prepare_load`: from the scheduler
 in the same process, `handoff`, else at ``handle_preemptions``), on a loader
 thread, so that their copies overlap the model runner's preparation of the
-step's inputs; ``start_load_kv`` waits for them. A chunk that cannot be
+step's inputs; ``start_load_kv`` waits for the gateway's answers, and the
+forward pass for each layer's copies (the last ones cross layer by layer under
+it: `DataPath.load`). What the restores delivered is settled after the forward
+pass (`WorkerSide._settle`), before vLLM asks for load errors. A chunk that cannot be
 loaded (miss, corrupt, cache off, a load cut short because the rest would
 arrive slower than it recomputes) reports its blocks as load errors, and vLLM
 recomputes them: a failed load costs time, never a wrong token. The
