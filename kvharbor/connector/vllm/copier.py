@@ -225,3 +225,19 @@ class HeldLoads:
 def load_request_chunks(load_batch_bytes: int, chunk_bytes: int) -> int:
     """Whole chunks per gateway request of at most ``load_batch_bytes`` (at least one)."""
     return max(1, load_batch_bytes // chunk_bytes)
+
+
+class Holding:
+    """`PageCopy`'s held loads, the same for both backends over their `HeldLoads`."""
+
+    _held: HeldLoads
+
+    @property
+    def held_chunks_max(self) -> int:
+        return self._held.chunks_max
+
+    def hold_load(self) -> None:
+        self._held.hold()
+
+    def drop_held(self) -> None:
+        self._held.release()

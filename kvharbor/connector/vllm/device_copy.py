@@ -34,6 +34,7 @@ import torch
 from kvharbor.connector.vllm.chunks import ChunkPart, GroupBlocks, contiguous_runs
 from kvharbor.connector.vllm.copier import (
     HeldLoads,
+    Holding,
     LoadStage,
     StagedChunk,
     StagingUnavailable,
@@ -56,7 +57,7 @@ stream waits for a slot's scatter before its next copy, so any number of request
 queued over two)."""
 
 
-class DeviceCopy:
+class DeviceCopy(Holding):
     snapshots_saves = True
 
     def __init__(
@@ -204,16 +205,6 @@ class DeviceCopy:
             self._slot_free[slot_index] = ready[-1]
             self._layer_ready = ready
         return copied.synchronize
-
-    @property
-    def held_chunks_max(self) -> int:
-        return self._held.chunks_max
-
-    def hold_load(self) -> None:
-        self._held.hold()
-
-    def drop_held(self) -> None:
-        self._held.release()
 
     def flush_held(self, mapping: PinnedMapping) -> Wait:
         """Each layer in turn: its pages of every held chunk that restores its group cross

@@ -17,6 +17,7 @@ import torch
 from kvharbor.connector.vllm.chunks import ChunkPart, GroupBlocks
 from kvharbor.connector.vllm.copier import (
     HeldLoads,
+    Holding,
     LoadStage,
     StagedChunk,
     StepSave,
@@ -28,7 +29,7 @@ from kvharbor.connector.vllm.pages import PageLayers, block_first
 from kvharbor.connector.vllm.pinning import PinnedMapping
 
 
-class HostCopy:
+class HostCopy(Holding):
     snapshots_saves = False
     staging_waited_s = 0.0
     """Saves read the blocks in the step: no staging to wait for."""
@@ -76,16 +77,6 @@ class HostCopy:
             for layer in range(len(self.pages.layers)):
                 source.copy_layer(layer)
         return no_wait  # Copied when it returns.
-
-    @property
-    def held_chunks_max(self) -> int:
-        return self._held.chunks_max
-
-    def hold_load(self) -> None:
-        self._held.hold()
-
-    def drop_held(self) -> None:
-        self._held.release()
 
     def flush_held(self, mapping: PinnedMapping) -> Wait:
         try:
