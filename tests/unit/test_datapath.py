@@ -139,13 +139,14 @@ def test_save_then_restore_round_trip_with_partial_chunks(backend: str) -> None:
                 assert not dst[layer][b].any(), (layer, b)  # nothing else written
 
 
+@pytest.mark.parametrize("held", [False, True])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_hybrid_cache_round_trips_each_group_through_its_own_blocks(backend: str) -> None:
+def test_a_hybrid_cache_round_trips_each_group_through_its_own_blocks(backend: str, held: bool) -> None:
     """vLLM's hybrid allocator: two layers in a full-attention group, one in a sliding-window
     group with blocks of its own, backed by the same tensor as the first (vLLM shares a tensor
     between one layer of each group; the worker registers each group's layers together); a
     load fills the window group only where vLLM allocated blocks (in the window), and
-    nothing else of it."""
+    nothing else of it; a held load (layer by layer) as a streamed one."""
     full0, full2 = flash_nhd(), flash_nhd()
     src = [full0, full2, full0]  # the window layer shares the first layer's tensor, as vLLM lays it out
     groups = [0, 0, 1]
@@ -174,7 +175,11 @@ def test_a_hybrid_cache_round_trips_each_group_through_its_own_blocks(backend: s
     # Chunk 0 is out of the window: the window group restores nothing from it.
     loader.stage_load(shm.mapping, shm.span(0, size), [ChunkPart(0, [21, 22, 23, 24]), ChunkPart(4, [])])
     loader.stage_load(shm.mapping, shm.span(size, size), [ChunkPart(0, [25, 26, 27, 28]), ChunkPart(2, [31, 32])])
-    loader.flush_load(shm.mapping)()
+    if held:
+        loader.hold_load()
+        loader.flush_held(shm.mapping)()
+    else:
+        loader.flush_load(shm.mapping)()
     loader.wait_loads()
     full = dict(zip(range(21, 29), [1, 2, 3, 4, 9, 10, 11, 12], strict=True))
     window = {31: 15, 32: 16}
