@@ -9,6 +9,12 @@ gateway`` subprocess with a RAM tier; in one run, best of ``--repeats``:
 - **memcpy**: one copy of the same number of bytes between two host buffers.
 
 Ratios are memcpy's time over the call's (1.0x: as fast as one memcpy; target >= 0.5x).
+Each of ``--shapes`` is measured, a model's KV shape (layers, KV heads, head dim, bf16):
+``test``, the tests' tiny model (2 KiB a token: a 64-token page is 128 KiB), where the
+gateway's work per page (two round trips a call, an index entry per page) weighs against a
+copy of 10 microseconds; ``llama-3.2-1b`` (16 layers, 8 KV heads of 64: a 64-token page is
+2 MiB, the page of a small production model), where the copies do. Their figures are
+prefixed with the shape's name.
 
 Then (unless ``--no-engine``) the engine test's restart, timed: a real SGLang engine process
 on the CPU (`tests/sglang/engine_rig`, the tiny Llama, ``KVHARBOR=1``) answers a prompt of
@@ -57,29 +63,55 @@ def best_s(work: object, repeats: int) -> float:
     return best
 
 
+SHAPES = {"test": (4, 2, 64), "llama-3.2-1b": (16, 8, 64)}
+"""KV shapes measured: (layers, KV heads, head dim)."""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pages", type=int, default=128)
     parser.add_argument("--page-size", type=int, default=64, help="tokens per page")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--no-engine", action="store_true", help="leave the engine restart out")
     parser.add_argument("--engine-tokens", type=int, default=3000, help="the engine prompt's tokens")
     args = parser.parse_args()
+    shapes = args.shapes.split(",")
+    unknown = sorted(set(shapes) - set(SHAPES))
+    if unknown:
+        parser.error(f"--shapes: unknown {', '.join(unknown)} (known: {', '.join(SHAPES)})")
+    figures: dict[str, Any] = {}
+    ratios: dict[str, float] = {}
+    for name in shapes:
+        shape_figures, shape_ratios = page_calls(SHAPES[name], args.pages, args.page_size, args.repeats)
+        figures.update({f"{name}_{key}": value for key, value in shape_figures.items()})
+        ratios.update({f"{name}_{key}": value for key, value in shape_ratios.items()})
+    if not args.no_engine:
+        restart_figures, restart_ratios = engine_restart(args.engine_tokens)
+        figures.update(restart_figures)
+        ratios.update(restart_ratios)
+    emit(figures, ratios, args.json)
+
+
+def page_calls(
+    shape: tuple[int, int, int], pages: int, page_size: int, repeats: int
+) -> tuple[dict[str, Any], dict[str, float]]:
+    """The set, get and memcpy of ``pages`` pages of a model of ``shape``, through a fresh gateway."""
+    tokens = pages * page_size
     with tempfile.TemporaryDirectory(prefix="kvh-bench-sglang-") as tmp, gateway(Path(tmp), 512, 4, 64) as _:
         (config,) = Path(tmp).glob("bench-*.yaml")  # The gateway's own config: the same storage.
-        pool = host_pool(args.page_size, device_tokens=args.pages * args.page_size)
+        pool = host_pool(page_size, device_tokens=tokens, shape=shape)
         storage = backend({"backend_name": "kvharbor", "interface_v1": 1, "config_file": str(config)}, pool)
         assert storage.is_on, storage.off_reason
-        tokens = args.pages * args.page_size
         source = torch.arange(tokens, dtype=torch.int64)
         target = torch.arange(tokens, 2 * tokens, dtype=torch.int64)
         pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape).to(pool.kv_buffer.dtype))
         page_bytes = storage._layout.page_bytes if storage._layout else 0
-        nbytes = page_bytes * args.pages
+        nbytes = page_bytes * pages
 
         def fresh_keys() -> list[str]:
-            return [uuid.uuid4().hex * 2 for _ in range(args.pages)]  # 64 hex, like SGLang's.
+            return [uuid.uuid4().hex * 2 for _ in range(pages)]  # 64 hex, like SGLang's.
 
         stored = fresh_keys()
 
@@ -96,29 +128,25 @@ def main() -> None:
         def memcpy() -> None:
             memoryview(dst)[:] = src
 
-        times = {"memcpy": best_s(memcpy, args.repeats), "set": best_s(put, args.repeats)}
-        times["get"] = best_s(get, args.repeats)
-        gib = nbytes / (1 << 30)
-        figures = {
-            "pages": args.pages,
-            "page_bytes": page_bytes,
-            "batch_mib": nbytes / (1 << 20),
-            "memcpy_gib_per_s": gib / times["memcpy"],
-            "batch_set_v1_gib_per_s": gib / times["set"],
-            "batch_get_v1_gib_per_s": gib / times["get"],
-            "batch_set_v1_ms": times["set"] * 1000,
-            "batch_get_v1_ms": times["get"] * 1000,
-        }
-        ratios = {
-            "batch_set_v1_vs_memcpy": times["memcpy"] / times["set"],
-            "batch_get_v1_vs_memcpy": times["memcpy"] / times["get"],
-        }
+        times = {"memcpy": best_s(memcpy, repeats), "set": best_s(put, repeats)}
+        times["get"] = best_s(get, repeats)
         storage.close()
-    if not args.no_engine:
-        restart_figures, restart_ratios = engine_restart(args.engine_tokens)
-        figures.update(restart_figures)
-        ratios.update(restart_ratios)
-    emit(figures, ratios, args.json)
+    gib = nbytes / (1 << 30)
+    figures = {
+        "pages": pages,
+        "page_bytes": page_bytes,
+        "batch_mib": nbytes / (1 << 20),
+        "memcpy_gib_per_s": gib / times["memcpy"],
+        "batch_set_v1_gib_per_s": gib / times["set"],
+        "batch_get_v1_gib_per_s": gib / times["get"],
+        "batch_set_v1_ms": times["set"] * 1000,
+        "batch_get_v1_ms": times["get"] * 1000,
+    }
+    ratios = {
+        "batch_set_v1_vs_memcpy": times["memcpy"] / times["set"],
+        "batch_get_v1_vs_memcpy": times["memcpy"] / times["get"],
+    }
+    return figures, ratios
 
 
 def engine_restart(prompt_tokens: int) -> tuple[dict[str, Any], dict[str, float]]:

@@ -17,11 +17,25 @@ import time
 
 PAGE_TOKENS = 16
 MAX_NEW_TOKENS = 4
+FLUSH_WAIT_S = 60
+"""How long SGLang may take to become idle after an answer, so that its caches can be flushed."""
+FLUSH_POLL_S = 0.05
 
 
 def prompt(tokens: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(10, 4000) for _ in range(tokens)]
+
+
+def flush_when_idle(engine: object) -> None:
+    """Flush SGLang's device and host caches once its scheduler is idle. The answer comes back
+    before the scheduler has retired its last batch (``last_batch``): until then
+    ``flush_cache`` refuses ("pending requests", with none queued or running), so it is asked
+    again until it flushes, within `FLUSH_WAIT_S`."""
+    deadline = time.monotonic() + FLUSH_WAIT_S
+    while not engine.flush_cache().success:  # type: ignore[attr-defined]
+        assert time.monotonic() < deadline, f"SGLang did not become idle to flush its caches in {FLUSH_WAIT_S} s"
+        time.sleep(FLUSH_POLL_S)  # Between two asks to the scheduler, not a wait for an outcome.
 
 
 def main(model: str, tokens: int, seed: int, asks: int) -> None:
@@ -58,7 +72,7 @@ def main(model: str, tokens: int, seed: int, asks: int) -> None:
                 "seconds": time.perf_counter() - start,
             }
             print("ANSWER " + json.dumps(answer), flush=True)
-            assert engine.flush_cache().success, "SGLang refused to flush its caches"
+            flush_when_idle(engine)
     finally:
         engine.shutdown()
 

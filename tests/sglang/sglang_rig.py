@@ -35,10 +35,13 @@ def host_pool(
     layout: str = "page_first",
     dtype: torch.dtype = torch.bfloat16,
     device_tokens: int = DEVICE_TOKENS,
+    shape: tuple[int, int, int] = (LAYERS, HEADS, HEAD_DIM),
 ) -> Any:
-    """A host pool twice the size of a device pool of ``device_tokens``."""
+    """A host pool twice the size of a device pool of ``device_tokens``, for a model of
+    ``shape`` (layers, KV heads, head dim; by default the tests' tiny one)."""
+    layers, heads, head_dim = shape
     device = MHATokenToKVPool(
-        device_tokens, page_size, dtype, HEADS, HEAD_DIM, LAYERS, "cpu", False, start_layer=0, end_layer=LAYERS
+        device_tokens, page_size, dtype, heads, head_dim, layers, "cpu", False, start_layer=0, end_layer=layers
     )
     return MHATokenToKVPoolHost(
         device.get_device_pool_infos()[0].buffer_info,
