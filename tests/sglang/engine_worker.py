@@ -19,7 +19,6 @@ PAGE_TOKENS = 16
 MAX_NEW_TOKENS = 4
 FLUSH_WAIT_S = 60
 """How long SGLang may take to become idle after an answer, so that its caches can be flushed."""
-FLUSH_POLL_S = 0.05
 
 
 def prompt(tokens: int, seed: int) -> list[int]:
@@ -31,11 +30,11 @@ def flush_when_idle(engine: object) -> None:
     """Flush SGLang's device and host caches once its scheduler is idle. The answer comes back
     before the scheduler has retired its last batch (``last_batch``): until then
     ``flush_cache`` refuses ("pending requests", with none queued or running), so it is asked
-    again until it flushes, within `FLUSH_WAIT_S`."""
+    again until it flushes, within `FLUSH_WAIT_S`. Each ask is a round trip through the
+    scheduler's own loop, the loop that retires the batch."""
     deadline = time.monotonic() + FLUSH_WAIT_S
     while not engine.flush_cache().success:  # type: ignore[attr-defined]
         assert time.monotonic() < deadline, f"SGLang did not become idle to flush its caches in {FLUSH_WAIT_S} s"
-        time.sleep(FLUSH_POLL_S)  # Between two asks to the scheduler, not a wait for an outcome.
 
 
 def main(model: str, tokens: int, seed: int, asks: int) -> None:
