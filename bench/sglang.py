@@ -65,6 +65,9 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--no-engine", action="store_true", help="leave the engine restart out")
     parser.add_argument("--engine-tokens", type=int, default=3000, help="the engine prompt's tokens")
+    parser.add_argument(
+        "--copy-threads", type=int, default=None, help="sglang.copy_threads of the page calls (default: the config's)"
+    )
     args = parser.parse_args()
     shapes = args.shapes.split(",")
     unknown = sorted(set(shapes) - set(SHAPES))
@@ -73,7 +76,9 @@ def main() -> None:
     figures: dict[str, Any] = {}
     ratios: dict[str, float] = {}
     for name in shapes:
-        shape_figures, shape_ratios = page_calls(SHAPES[name], args.pages, args.page_size, args.repeats)
+        shape_figures, shape_ratios = page_calls(
+            SHAPES[name], args.pages, args.page_size, args.repeats, args.copy_threads
+        )
         figures.update({f"{name}_{key}": value for key, value in shape_figures.items()})
         ratios.update({f"{name}_{key}": value for key, value in shape_ratios.items()})
     if not args.no_engine:
@@ -84,14 +89,17 @@ def main() -> None:
 
 
 def page_calls(
-    shape: tuple[int, int, int], pages: int, page_size: int, repeats: int
+    shape: tuple[int, int, int], pages: int, page_size: int, repeats: int, copy_threads: int | None
 ) -> tuple[dict[str, Any], dict[str, float]]:
     """The set, get and memcpy of ``pages`` pages of a model of ``shape``, through a fresh gateway."""
     tokens = pages * page_size
     with tempfile.TemporaryDirectory(prefix="kvh-bench-sglang-") as tmp, gateway(Path(tmp), 512, 4, 64) as _:
         (config,) = Path(tmp).glob("bench-*.yaml")  # The gateway's own config: the same storage.
         pool = host_pool(page_size, device_tokens=tokens, shape=shape)
-        storage = backend({"backend_name": "kvharbor", "interface_v1": 1, "config_file": str(config)}, pool)
+        extra: dict[str, Any] = {"backend_name": "kvharbor", "interface_v1": 1, "config_file": str(config)}
+        if copy_threads is not None:
+            extra["sglang"] = {"copy_threads": copy_threads}
+        storage = backend(extra, pool)
         assert storage.is_on, storage.off_reason
         source = torch.arange(tokens, dtype=torch.int64)
         target = torch.arange(tokens, 2 * tokens, dtype=torch.int64)
@@ -125,6 +133,7 @@ def page_calls(
     gib = nbytes / (1 << 30)
     figures = {
         "pages": pages,
+        "copy_threads": storage._fanout.threads if storage._fanout else 0,
         "page_bytes": page_bytes,
         "batch_mib": nbytes / (1 << 20),
         "memcpy_gib_per_s": gib / times["memcpy"],

@@ -33,6 +33,7 @@ from typing import ClassVar, Protocol
 
 from kvharbor.cache.keys import NAMESPACE_UNKNOWN
 from kvharbor.config import Config
+from kvharbor.connector.fanout import Fanout
 from kvharbor.gateway import embedded
 from kvharbor.gateway.client import GatewayClient, GatewayError, GatewayRefused, GetBatch
 from kvharbor.gateway.protocol import LookupOk
@@ -61,6 +62,9 @@ class StreamCopies(Protocol):
     def drop_held(self) -> None:
         """The held values will not be copied (the load failed before their copy started)."""
 
+
+_IN_TURN = Fanout(1, "kvharbor-fill")
+"""A store's fills when its caller gives no fanout: in turn, in the calling thread."""
 
 _NONE = LookupOk(0, 0)
 """A lookup's answer when the cache cannot give one: a miss."""
@@ -376,6 +380,7 @@ class CacheLink:
         on_filled: Callable[[], None] | None = None,
         in_time: Callable[[], bool] | None = None,
         namespace: int = NAMESPACE_UNKNOWN,
+        fanout: Fanout | None = None,
     ) -> int:
         """Store values of the given (key, size): ``fill(i, view)`` writes value i.
         ``namespace``: the writer's `kvharbor.cache.keys.namespace_tag`, kept in the headers.
@@ -392,23 +397,28 @@ class CacheLink:
         the values are in place and before any is marked, says whether their
         sources stayed untouched for the whole copy (the engine was still waiting
         for it); False gives the batch up unmarked: nothing of it is stored.
+        ``fanout`` runs the fills on its threads, several at once (its contract: fill i
+        touches only value i's view); without it they run in turn in this thread.
         """
         client = self._get_client()
         if client is None or not items:
             return 0
         try:
             batch = client.prepare_put(fingerprint, items, namespace)
-            lent = []
-            for i, view in enumerate(batch.views):
-                if view is None:
-                    self.counters.skipped_chunks += 1
-                    continue
+            lent = [i for i, view in enumerate(batch.views) if view is not None]
+            self.counters.skipped_chunks += len(batch.views) - len(lent)
+            mark_when_filled = settle is None and in_time is None
+
+            def fill_one(i: int) -> None:
+                view = batch.views[i]
+                assert view is not None, i
                 written = fill(i, view)
                 if written is not None:
                     batch.checksums[i] = written
-                if settle is None and in_time is None:
+                if mark_when_filled:
                     batch.mark(i)
-                lent.append(i)
+
+            (fanout or _IN_TURN).run(fill_one, lent)
             if settle is not None:
                 settle()
             if in_time is not None and not in_time():

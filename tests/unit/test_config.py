@@ -159,6 +159,7 @@ def _tiers(*tiers: dict[str, Any]) -> dict[str, Any]:
         pytest.param(
             {"storage": {"refill_ram": "sometimes"}}, ["storage.refill_ram", "'sometimes'"], id="refill not a bool"
         ),
+        pytest.param({"sglang": {"copy_threads": 0}}, ["sglang.copy_threads", "greater than 0"], id="no copy thread"),
         pytest.param(
             {"gateway": {"ring_mb": 32, "ring_mb_min": 64}},
             ["gateway.ring_mb", "gateway.ring_mb_min"],

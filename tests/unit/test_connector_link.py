@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 
+from kvharbor.cache.format import checksum
+from kvharbor.connector.fanout import Fanout
 from kvharbor.connector.link import CacheLink, RankSwitch
 from kvharbor.gateway.client import GatewayRefused
 from kvharbor.gateway.protocol import ErrorCode, LookupOk
@@ -89,3 +92,23 @@ def test_a_copy_that_ended_after_the_engine_stopped_waiting_is_not_stored(real_g
     # The link serves on: the next save, in time, is stored.
     assert link.store(b"f" * 16, late, fill, in_time=lambda: True) == 2
     assert real_gateway.holds(KEYS) == 2
+
+
+def test_fills_spread_over_a_fanout_are_each_stored_and_marked(real_gateway: RealGateway) -> None:
+    """Two fills at once (each waits for the other), every value stored with its own bytes."""
+    [link] = links(real_gateway, 1)
+    link.start()
+    fanout = Fanout(2, "test-fill")
+    both = threading.Barrier(2, timeout=10)
+    items = [(key, 4096) for key in KEYS[:2]]
+
+    def fill(i: int, view: memoryview) -> int:
+        both.wait()  # Passed only when the other value's fill runs at the same time.
+        view[:] = bytes([i + 7]) * view.nbytes
+        return checksum(view)
+
+    assert link.store(b"f" * 16, items, fill, fanout=fanout) == 2
+    fanout.close()
+    read: dict[int, bytes] = {}
+    assert link.load(b"f" * 16, KEYS[:2], lambda i, view: read.__setitem__(i, bytes(view))) == 2
+    assert read == {0: bytes([7]) * 4096, 1: bytes([8]) * 4096}

@@ -50,6 +50,7 @@ from kvharbor.cache.format import copy_with_checksum
 from kvharbor.cache.keys import ChunkKey, namespace_tag
 from kvharbor.config import Config, ConfigError
 from kvharbor.connector.extra_config import config_from_extra
+from kvharbor.connector.fanout import Fanout
 from kvharbor.connector.link import CacheLink
 from kvharbor.connector.sglang.keys import BackendRefusal, SglangLayout, build_layout, client_name
 from kvharbor.connector.sglang.pages import HostPages, Span
@@ -80,6 +81,7 @@ class KVHarborStorage(HiCacheStorage):
         self._layout: SglangLayout | None = None
         self._pages: HostPages | None = None
         self._link: CacheLink | None = None
+        self._fanout: Fanout | None = None
         self._namespace = 0
         try:
             self._config = config_from_extra(storage_config.extra_config, EXTRA_CONFIG_FLAG, engine_keys=SGLANG_KEYS)
@@ -103,6 +105,7 @@ class KVHarborStorage(HiCacheStorage):
         self._layout, self._pages = layout, pages
         self._namespace = namespace_tag(self._config.engine.key_namespace)
         self._link = CacheLink(self._config, name, connect=connect)
+        self._fanout = Fanout(self._config.sglang.copy_threads, "kvharbor-sglang-copy")
         if self._link.start():  # Connect now: a missing gateway is said at start, not at the first request.
             _log.info(
                 "%sSGLang storage backend on: one object per page of %d tokens (%d bytes), layout %s",
@@ -181,7 +184,7 @@ class KVHarborStorage(HiCacheStorage):
         if placed is None:
             return [False] * len(keys)
         layout, pages, spans = placed
-        return self._store(layout, keys, lambda i, view: pages.read(spans[i], view))
+        return self._store(layout, keys, lambda i, view: pages.read(spans[i], view), self._fanout)
 
     def batch_get_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
@@ -312,18 +315,24 @@ class KVHarborStorage(HiCacheStorage):
     def close(self) -> None:
         if self._link is not None:
             self._link.close()
+        if self._fanout is not None:
+            self._fanout.close()
 
     # -- internals -------------------------------------------------------------
 
-    def _store(self, layout: SglangLayout, page_hashes: Sequence[str], fill: Any) -> list[bool]:
-        """Store one page per hash (``fill(i, view)`` writes page i); all True when the
-        gateway took the batch (pages already stored are skipped, not rewritten)."""
+    def _store(
+        self, layout: SglangLayout, page_hashes: Sequence[str], fill: Any, fanout: Fanout | None = None
+    ) -> list[bool]:
+        """Store one page per hash (``fill(i, view)`` writes page i, on ``fanout``'s threads
+        if given); all True when the gateway took the batch (pages already stored are
+        skipped, not rewritten)."""
         link = self._link
         stored = self._keys(layout, page_hashes)
         if link is None or stored is None:
             return [False] * len(page_hashes)
         refused = link.counters.refused
-        link.store(layout.digest, [(key, layout.page_bytes) for key in stored], fill, namespace=self._namespace)
+        items = [(key, layout.page_bytes) for key in stored]
+        link.store(layout.digest, items, fill, namespace=self._namespace, fanout=fanout)
         ok = not link.is_off and link.counters.refused == refused
         return [ok] * len(page_hashes)
 

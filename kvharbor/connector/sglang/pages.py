@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import xxhash
 
@@ -32,8 +33,13 @@ Span = tuple[int, int]
 
 def _byte_view(tensor: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor's memory."""
-    array: Any = tensor.detach().reshape(-1).view(torch.uint8).numpy()
-    return memoryview(array)
+    return _byte_array(tensor).data
+
+
+def _byte_array(tensor: torch.Tensor) -> np.ndarray:
+    """A contiguous CPU tensor's memory as a writable array of bytes (no copy)."""
+    array: np.ndarray = tensor.detach().reshape(-1).view(torch.uint8).numpy()
+    return array
 
 
 class HostPages:
@@ -56,8 +62,8 @@ class HostPages:
         if not isinstance(buffer, torch.Tensor) or buffer.device.type != "cpu" or not buffer.is_contiguous():
             raise BackendRefusal(f"SGLang's {kind} has no contiguous host buffer (kv_buffer) to copy pages from")
         self._pool = pool
-        self._buffer = buffer  # Keeps the memory alive as long as the view.
-        self._memory = _byte_view(buffer)
+        self._buffer = buffer  # Keeps the memory alive as long as the array.
+        self._memory = _byte_array(buffer)
         self._base = buffer.data_ptr()
         self.page_size = int(pool.page_size)
         first = self.spans(torch.arange(self.page_size, dtype=torch.int64))[0]
@@ -97,23 +103,28 @@ class HostPages:
     def read(self, spans: Sequence[Span], into: memoryview) -> int:
         """Copy one page out of the pool into ``into`` (`page_bytes` long); returns the
         `kvharbor.cache.format.checksum` of the page, hashing each slice just copied while
-        it is still in the CPU cache (as `copy_with_checksum` does): one pass over memory."""
+        it is still in the CPU cache (as `copy_with_checksum` does): one pass over memory.
+
+        Copies and hashes let go of the GIL: pages read on several threads at once
+        (`kvharbor.connector.fanout`) run side by side, and SGLang's scheduler thread runs
+        during a copy."""
+        target = np.frombuffer(into, dtype=np.uint8)
         hasher = xxhash.xxh3_64()
         position = 0
         for offset, size in spans:
             for start in range(0, size, COPY_SLICE_BYTES):
                 length = min(COPY_SLICE_BYTES, size - start)
-                target = into[position : position + length]
-                target[:] = self._memory[offset + start : offset + start + length]
-                hasher.update(target)
+                np.copyto(target[position : position + length], self._memory[offset + start : offset + start + length])
+                hasher.update(into[position : position + length])
                 position += length
         return hasher.intdigest()
 
     def write(self, spans: Sequence[Span], source: memoryview) -> None:
-        """Copy one stored page (`page_bytes` long) into the pool."""
+        """Copy one stored page (`page_bytes` long) into the pool (letting go of the GIL)."""
+        stored = np.frombuffer(source, dtype=np.uint8)
         position = 0
         for offset, size in spans:
-            self._memory[offset : offset + size] = source[position : position + size]
+            np.copyto(self._memory[offset : offset + size], stored[position : position + size])
             position += size
 
     def flat_page(self, target: torch.Tensor | None) -> tuple[torch.Tensor, memoryview]:
