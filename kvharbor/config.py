@@ -795,8 +795,9 @@ class SglangSection(_Section):
         2, gt=0, le=64, description="threads that copy one batch_set_v1's pages into shared memory at once"
     )
     """A page's copy and checksum let go of the GIL, and one thread's copy does not fill
-    the memory bus: two threads stored 128 pages of 2 MiB 1.6x as fast as one on a 2-vCPU
-    VM. 1: each batch's pages are copied in turn, in SGLang's storage thread."""
+    the memory bus: with two threads, 128 pages of 2 MiB were stored in 28-32 ms, with one
+    in 38-41 ms, on a 2-vCPU VM. 1: each batch's pages are copied in turn, in SGLang's
+    storage thread."""
 
 
 SHARED_SECTIONS = ("storage", "card")
