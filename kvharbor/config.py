@@ -366,6 +366,10 @@ class FileTierSection(TierSection):
     fsync: bool = True
     """Flush every object to stable storage before it counts as stored."""
     fanout_levels: int = Field(2, ge=0, le=3)
+    degraded_below_free_pct: float = Field(5.0, ge=0, lt=100)
+    """Below this percentage of its filesystem free (blocks available to kvharbor's user),
+    the tier's health says degraded (``kvharbor status``, a WARNING in the gateway's log):
+    the tier still serves, but the disk is close to refusing writes. 0 never says so."""
     cold_reads_direct: bool = False
     """Read a value whose file is not in the page cache with O_DIRECT, from the disk straight
     into the reader's memory (where the filesystem takes O_DIRECT; buffered, said once, where

@@ -67,7 +67,8 @@ KEY_BYTES = 16
 TEMP_STALE_AFTER_S = 3600.0
 """A temp file this old is abandoned whoever wrote it: no put takes an hour."""
 FREE_RATIO_DEGRADED = 0.05
-"""Below this share of the filesystem free, `health` says DEGRADED."""
+"""Below this share of the filesystem free, `health` says DEGRADED (the default of a file
+tier's ``degraded_below_free_pct``, 5 %)."""
 
 # One formatter per fan-out depth: ~4x faster than a generic join, and paths
 # are built for every key of every batched call.
@@ -473,4 +474,5 @@ def open_file_device(section: FileTierSection, max_value_bytes: int) -> FileDevi
         fsync=section.fsync,
         cold_reads_direct=section.cold_reads_direct,
         direct_writes=section.direct_writes,
+        free_ratio_degraded=section.degraded_below_free_pct / 100,
     )

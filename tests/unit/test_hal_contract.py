@@ -35,7 +35,9 @@ SIM_PARAMS = CardParams(capacity_bytes=64 * MAX_VALUE_BYTES, value_bytes_max=MAX
 
 DRIVERS: dict[str, DeviceFactory] = {
     "ram": lambda _: RamDevice("ram", 16 * MAX_VALUE_BYTES, MAX_VALUE_BYTES),
-    "file": lambda root: FileDevice("local", str(root), MAX_VALUE_BYTES),
+    # The threshold 0: how full the host's disk is must not decide a contract test
+    # (test_hal_file tests the threshold against the measured free share).
+    "file": lambda root: FileDevice("local", str(root), MAX_VALUE_BYTES, free_ratio_degraded=0.0),
     # The gateway's RAM tier: a region of shared memory (here a plain buffer) at an offset in its segment.
     "shared_ram": lambda _: SharedRamDevice("ram", memoryview(bytearray(32 * MAX_VALUE_BYTES)), 8192, MAX_VALUE_BYTES),
     # The simulated card, on virtual time and on real time scaled a thousand times faster.
