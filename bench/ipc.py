@@ -55,7 +55,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import emit, gateway_process
 
-from kvharbor.cache.format import HEADER_BYTES, checksum
+from kvharbor.cache.checksum import checksum
+from kvharbor.cache.format import HEADER_BYTES
 from kvharbor.config import MIB, GatewaySection, load_config
 from kvharbor.gateway.client import GatewayClient
 

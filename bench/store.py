@@ -75,7 +75,8 @@ from common import best_seconds_interleaved, emit
 from s3 import s3_ratios, s3_server, s3_works
 
 from kvharbor.cache.assembly import open_store
-from kvharbor.cache.format import HEADER_BYTES, checksum
+from kvharbor.cache.checksum import checksum
+from kvharbor.cache.format import HEADER_BYTES
 from kvharbor.cache.keys import LayoutFingerprint
 from kvharbor.cache.store import TieredStore
 from kvharbor.config import MIB, validate_config

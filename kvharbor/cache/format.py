@@ -11,13 +11,16 @@ Header, little-endian, `HEADER_BYTES` (one page) long, its fields first::
     key 16 B | fingerprint digest 16 B
     fragment index u32 | fragment count u32
     raw length u64 | stored length u64 | payload length u64
-    payload checksum u64 (xxh3-64) | namespace tag u64
+    payload checksum u64 (`kvharbor.cache.checksum`) | namespace tag u64
     zero padding up to HEADER_BYTES - 8 | header checksum u64 (xxh3-64, of all bytes before it)
 
 Format 2 pads the header to a page so that the payload starts on a page edge: a value read
 whole into page-aligned memory (the gateway's shared segment) lies page-aligned there, for the
 engine's copy and for O_DIRECT, and a file's payload sits on the filesystem's block edges.
 Format 1 (releases before it) put the checksum right after the fields, 96 bytes in all.
+Format 3 changed only the payload checksum: xxh3-64 of the xxh3-64 digests of the payload's
+1 MiB segments, where format 2 took one xxh3-64 over the payload, so that readers hash segments
+on several threads (`kvharbor.cache.checksum` says why).
 
 The namespace tag (`kvharbor.cache.keys.namespace_tag` of ``engine.key_namespace``)
 took the place of 8 reserved bytes of format 1 that were always written as zero: an object
@@ -35,7 +38,7 @@ of different formats never look up or write the same key, so they share a tier w
 fighting over objects; each one's objects are the other's misses, and both age out under
 the tier's budget like any value.
 
-Why xxh3-64 and not the BLAKE2b of the keys: the checksum runs over every byte
+Why xxh3-64 and not the BLAKE2b of the keys: the checksums run over every byte
 read, at tens of GB/s, where BLAKE2b would be the bottleneck (~1 GB/s). It
 guards against damage (torn writes, bit rot, truncation), not against an
 adversary — keys, which are cryptographic, name the object.
@@ -46,8 +49,8 @@ each carries the parent key, its index and the count, and is verified on its
 own before reassembly.
 
 A reader may checksum the payload while it reads it (`PayloadChecksum` fed by
-`kvharbor.hal.base.Device.get_streamed`, each slice hashed while still in the
-CPU cache) and hand the result to `verify_part` with the bytes (`ReadBack`);
+`kvharbor.hal.base.Device.get_streamed`, in order or in pieces, each hashed while still in
+the CPU cache) and hand the result to `verify_part` with the bytes (`ReadBack`);
 verification is otherwise the same, and nothing is used before it passes.
 """
 
@@ -64,6 +67,7 @@ import lz4.frame
 import xxhash
 import zstandard
 
+from kvharbor.cache.checksum import SEGMENT_BYTES, ChecksumStream, checksum, combine, segment_digest
 from kvharbor.cache.keys import FORMAT_VERSION, KEY_BYTES, NAMESPACE_UNKNOWN, ChunkKey, check_key, fragment_key
 from kvharbor.hal.base import Buffer
 
@@ -163,52 +167,55 @@ class EncodedPart:
         return len(self.header) + self.payload.nbytes
 
 
-def checksum(data: Buffer) -> int:
-    return xxhash.xxh3_64_intdigest(data)
-
-
-COPY_SLICE_BYTES = 1 << 20
-"""Slice of `copy_with_checksum`: still in a server core's L2 (1-2 MiB) when it is hashed,
-and few enough slices per value that the loop's own cost stays small (measured ~10 %
-faster than 256 KiB slices on 32 MiB values)."""
-
-
-def copy_with_checksum(source: Buffer, into: memoryview, slice_bytes: int = COPY_SLICE_BYTES) -> int:
-    """Copy ``source`` into ``into`` and return its `checksum`, hashing each slice just
-    copied while it is still in the CPU cache: one pass over memory, not two."""
-    data = memoryview(source).cast("B")
-    assert into.nbytes == data.nbytes, (into.nbytes, data.nbytes)
-    hasher = xxhash.xxh3_64()
-    for start in range(0, data.nbytes, slice_bytes):
-        target = into[start : start + slice_bytes]
-        target[:] = data[start : start + slice_bytes]
-        hasher.update(target)
-    return hasher.intdigest()
-
-
 class PayloadChecksum:
-    """`checksum` of an object's payload, fed the whole object's bytes in order.
+    """`checksum` of an object's payload, taken while the object is read, one of two ways:
 
-    The header's bytes are skipped, every later byte is hashed: the payload's
-    checksum once the object's length is verified (`verify_part` checks it).
-    Streaming xxh3 gives the same digest as hashing the payload in one go.
+    - in order (a `kvharbor.hal.base.SliceConsumer`): called with consecutive slices of the
+      whole object; the header's bytes are skipped, every later byte hashed;
+    - in pieces (a `kvharbor.hal.base.PieceConsumer`): `take` is given the header piece
+      ``[0, piece_base)`` and each payload segment ``[piece_base + k * piece_bytes, ...)``
+      (the last one clipped to the object's end), in any order, from any thread.
+
+    One object is fed one way. `intdigest` is the payload's checksum once the object's length
+    is verified (`verify_part` checks it before it compares checksums).
     """
 
-    __slots__ = ("_hasher", "_skip")
+    __slots__ = ("_pieces", "_skip", "_stream")
+
+    piece_base = HEADER_BYTES
+    piece_bytes = SEGMENT_BYTES
 
     def __init__(self) -> None:
-        self._hasher = xxhash.xxh3_64()
+        self._stream = ChecksumStream()
         self._skip = HEADER_BYTES
+        self._pieces: dict[int, int] = {}
+        """Each payload segment's digest by its index, as `take` was given it."""
 
-    def update(self, data: memoryview) -> None:
+    def __call__(self, data: memoryview) -> None:
+        if self._pieces:
+            raise RuntimeError("PayloadChecksum fed in order after being given pieces")
         if self._skip:
             skipped = min(self._skip, data.nbytes)
             self._skip -= skipped
             data = data[skipped:]
-        self._hasher.update(data)
+        self._stream.update(data)
+
+    def take(self, offset: int, data: memoryview) -> None:
+        """One piece of the object, ``data``, that starts at ``offset`` in it (see the class)."""
+        if offset == 0 and data.nbytes <= HEADER_BYTES:
+            return  # The header: verified on its own.
+        index, within = divmod(offset - HEADER_BYTES, SEGMENT_BYTES)
+        if offset < HEADER_BYTES or within or not 0 < data.nbytes <= SEGMENT_BYTES or self._skip < HEADER_BYTES:
+            raise ValueError(f"a piece of {data.nbytes} bytes at {offset} is not one of the object's pieces")
+        self._pieces[index] = segment_digest(data)  # One dict store: atomic under the GIL.
 
     def intdigest(self) -> int:
-        return self._hasher.intdigest()
+        if not self._pieces:
+            return self._stream.intdigest()
+        count = len(self._pieces)
+        if max(self._pieces) != count - 1:
+            return -1  # A segment missing (the read ended early): matches no stored checksum.
+        return combine([self._pieces[index] for index in range(count)])
 
 
 CodecObserver = Callable[[int, int, float], None]
@@ -318,7 +325,7 @@ def parse_header(data: Buffer) -> Header:
     if fields[0] != MAGIC:
         raise CorruptObject(f"bad magic {fields[0]!r}")
     (stored_checksum,) = _CHECKSUM.unpack_from(view, _CHECKED_PREFIX)
-    if checksum(view[:_CHECKED_PREFIX]) != stored_checksum:
+    if xxhash.xxh3_64_intdigest(view[:_CHECKED_PREFIX]) != stored_checksum:
         raise CorruptObject("header checksum mismatch")
     try:
         codec = Codec(fields[2])

@@ -29,7 +29,7 @@ from typing import NewType
 KEY_BYTES = 16
 """Every key — chunk keys, fragment keys, fingerprint digests — is 16 bytes."""
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 """Version of the stored object format (header layout, checksum, fragmenting);
 `kvharbor.cache.format` describes each.
 
@@ -37,6 +37,7 @@ Part of every fingerprint: a release that changes how bytes are stored gets
 new keys, so it can never read an object written in the old format, and two
 releases sharing a tier never write the same key (each one's objects are the
 other's misses). 2: the header padded to a page, the payload page-aligned.
+3: the payload checksum combined from 1 MiB segments' digests (`kvharbor.cache.checksum`).
 """
 
 FINGERPRINT_ENCODING_VERSION = 1

@@ -417,7 +417,7 @@ class Tier:
     ) -> bool:
         """Store ``value``; True if stored.
 
-        ``value_checksum`` is `kvharbor.cache.format.checksum` of ``value`` when the caller
+        ``value_checksum`` is `kvharbor.cache.checksum.checksum` of ``value`` when the caller
         has it (its writer took it while the bytes were in its cache): a full pass over the
         value saved. A wrong one costs only this value: its reads fail their check, a miss.
 
@@ -708,8 +708,9 @@ class Tier:
     def _read_part_fn(self, key: bytes, source: BufferSource) -> Callable[[ChunkKey], ReadBack | None]:
         """A reader of one device object; fragment 0 lands in a buffer from ``source``.
 
-        The payload is checksummed slice by slice as the device fills the
-        buffer, each slice while it is still in the CPU cache; `decode` verifies
+        The payload is checksummed slice by slice (or piece by piece, on the device's
+        I/O threads) as the device fills the buffer, each while it is still in the CPU
+        cache; `decode` verifies
         the object with that checksum before anything uses the value.
         """
 
@@ -720,7 +721,7 @@ class Tier:
             buffer = source(size) if device_key == key else new_buffer(size)
             assert buffer.nbytes == size, (buffer.nbytes, size)
             payload_checksum = PayloadChecksum()
-            got = self.device.get_streamed(device_key, buffer, payload_checksum.update)
+            got = self.device.get_streamed(device_key, buffer, payload_checksum)
             return None if got is None else ReadBack(buffer[:got], payload_checksum.intdigest())
 
         return read_part

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from kvharbor import __version__
-from kvharbor.cache.format import copy_with_checksum
+from kvharbor.cache.checksum import copy_with_checksum
 from kvharbor.cache.keys import NAMESPACE_UNKNOWN, LayoutFingerprint
 from kvharbor.cache.purge import PurgeFilter, PurgeReport
 from kvharbor.config import GatewaySection

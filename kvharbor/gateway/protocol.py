@@ -25,13 +25,14 @@ from kvharbor.cache.purge import PurgeFilter, PurgeReport
 from kvharbor.config import ConfigDigest
 from kvharbor.gateway.status import GatewayStatus, StatusFormError, peek_release
 
-PROTOCOL_VERSION = 8
-"""Bumped on any change to frames or message bodies. 2: PROGRESS. 4: PUT_COMMIT carries
-the writer's payload checksums. 5: HELLO carries the client's `ConfigDigest`. 6: PUT_READY
-lends an area for completion marks. 7: LOOKUP checks value sizes and answers which hits
-are resident; VERIFY and DROP. 8: STATUS_OK carries a typed `GatewayStatus`; HELLO
-registers the client's layouts; STATUS and LOCATE need no HELLO; PUT_PREPARE carries the
-writer's namespace tag; PURGE."""
+PROTOCOL_VERSION = 9
+"""Bumped on any change to frames or message bodies, or to what their fields mean. 2:
+PROGRESS. 4: PUT_COMMIT carries the writer's payload checksums. 5: HELLO carries the
+client's `ConfigDigest`. 6: PUT_READY lends an area for completion marks. 7: LOOKUP checks
+value sizes and answers which hits are resident; VERIFY and DROP. 8: STATUS_OK carries a
+typed `GatewayStatus`; HELLO registers the client's layouts; STATUS and LOCATE need no
+HELLO; PUT_PREPARE carries the writer's namespace tag; PURGE. 9: PUT_COMMIT's checksums
+are object format 3's (`kvharbor.cache.checksum`)."""
 
 FRAME = struct.Struct("<IHHQ")
 FRAME_BYTES = FRAME.size
@@ -657,8 +658,9 @@ class PutCommit(Message):
     TYPE: ClassVar[MessageType] = MessageType.PUT_COMMIT
     batch: int
     checksums: list[int] = field(default_factory=list)
-    """The xxh3-64 of each value written, in the batch's order (SKIPs left out), taken
-    by the writer while the bytes were in its cache; empty: the gateway takes them."""
+    """The `kvharbor.cache.checksum.checksum` of each value written, in the batch's order
+    (SKIPs left out), taken by the writer while the bytes were in its cache; empty: the
+    gateway takes them."""
 
     def body(self) -> bytes:
         return _U64.pack(self.batch) + _U32.pack(len(self.checksums)) + b"".join(_U64.pack(c) for c in self.checksums)

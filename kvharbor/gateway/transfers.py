@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from kvharbor.cache.format import checksum
+from kvharbor.cache.checksum import checksum
 from kvharbor.cache.store import TieredStore
 from kvharbor.cache.tier import Reservation, SharedHit
 from kvharbor.config import MIB, Config

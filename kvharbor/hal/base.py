@@ -23,13 +23,34 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TypeAlias
+from typing import Protocol, TypeAlias, runtime_checkable
 
 Buffer: TypeAlias = bytes | bytearray | memoryview
 """Anything that exposes contiguous bytes through the buffer protocol."""
 
 SliceConsumer: TypeAlias = Callable[[memoryview], object]
 """Takes each slice of a value as `Device.get_streamed` fills it in."""
+
+
+@runtime_checkable
+class PieceConsumer(Protocol):
+    """A `SliceConsumer` that also takes a value in pieces, in any order and from any thread,
+    so that a driver reading on several threads has each thread consume what it just read.
+
+    The pieces of a value of n bytes: ``[0, piece_base)``, then ``[piece_base + k *
+    piece_bytes, piece_base + (k + 1) * piece_bytes)`` for k = 0, 1, ..., each clipped to n.
+    A driver may hand every piece to `take` once instead of the slices to the call, never
+    some of each, and all before `Device.get_streamed` returns.
+    """
+
+    piece_base: int
+    piece_bytes: int
+
+    def __call__(self, data: memoryview, /) -> object: ...
+
+    def take(self, offset: int, data: memoryview) -> None:
+        """``data`` is the piece of the value that starts at byte ``offset``."""
+
 
 STREAM_SLICE_BYTES = 256 * 1024
 """Slice size of `Device.get_streamed`: small enough that a slice the device just
@@ -148,7 +169,9 @@ class Device(ABC):
         no slice on a miss. Result, misses and errors are those of `get`, and
         like `get` it reads one version of the value, so the slices never mix an
         old value with a new one. The cache checksums a value slice by slice
-        while each is still in the CPU cache, instead of in a second pass.
+        while each is still in the CPU cache, instead of in a second pass. A
+        driver that reads on several threads may instead hand a `PieceConsumer`
+        its pieces (see there), each from the thread that read it.
 
         The default gets the whole value, then hands it out: correct for any
         driver; a driver that can read a value in pieces overrides it.

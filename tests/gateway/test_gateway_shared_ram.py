@@ -22,7 +22,8 @@ from gateway_harness import (
     value_for,
 )
 
-from kvharbor.cache.format import HEADER_BYTES, checksum, parse_header
+from kvharbor.cache.checksum import checksum
+from kvharbor.cache.format import HEADER_BYTES, parse_header
 from kvharbor.config import MIB
 from kvharbor.gateway.client import GatewayClient
 from kvharbor.hal.extents import PAGE_BYTES

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from kvharbor.cache.format import checksum
+from kvharbor.cache.checksum import checksum
 from kvharbor.connector.fanout import Fanout
 from kvharbor.connector.link import CacheLink, RankSwitch
 from kvharbor.gateway.client import GatewayRefused

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import itertools
 import logging
 import mmap
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -106,29 +108,78 @@ def stored_cold(device: FileDevice, data: bytes) -> None:
     drop_cached(object_path(Path(device.root), KEY))
 
 
-def streamed(device: FileDevice, into: memoryview) -> tuple[bytes, list[int]]:
+class Pieces:
+    """A `PieceConsumer` that records what it is given, and by which thread."""
+
+    piece_base = HEADER_BYTES
+    piece_bytes = 1 << 20
+
+    def __init__(self) -> None:
+        self.taken: dict[int, bytes] = {}
+        self.payload_threads: set[int] = set()
+        """The threads that took pieces past the first (the header's)."""
+
+    def __call__(self, data: memoryview) -> None:
+        raise AssertionError("a consumer of pieces was handed an in-order slice")
+
+    def take(self, offset: int, data: memoryview) -> None:
+        assert offset not in self.taken, f"piece {offset} taken twice"
+        self.taken[offset] = bytes(data)
+        if offset:
+            self.payload_threads.add(threading.get_ident())
+
+    def joined(self, nbytes: int) -> bytes:
+        """The pieces' bytes, after checking they are exactly the pieces of ``nbytes``."""
+        bounds = [0, *range(self.piece_base, nbytes, self.piece_bytes), nbytes]
+        assert sorted(self.taken) == bounds[:-1]
+        assert [len(self.taken[lo]) for lo in bounds[:-1]] == [hi - lo for lo, hi in itertools.pairwise(bounds)]
+        return b"".join(self.taken[lo] for lo in bounds[:-1])
+
+
+@pytest.fixture(params=["slices", "pieces"])
+def handout(request: pytest.FixtureRequest) -> str:
+    """How a read hands its bytes out: in order in bounded slices, or in a consumer's pieces."""
+    return str(request.param)
+
+
+def streamed(device: FileDevice, into: memoryview, handout: str) -> bytes:
+    """The value read by ``get_streamed``, after checking how it was handed out."""
+    if handout == "pieces":
+        pieces = Pieces()
+        assert device.get_streamed(KEY, into, pieces, SLICE_BYTES) == VALUE_BYTES
+        assert threading.get_ident() not in pieces.payload_threads, "taken by the I/O threads that read them"
+        return pieces.joined(VALUE_BYTES)
     slices: list[bytes] = []
-    got = device.get_streamed(KEY, into, lambda piece: slices.append(bytes(piece)), SLICE_BYTES)
-    assert got == VALUE_BYTES
-    return b"".join(slices), [len(piece) for piece in slices]
+    assert device.get_streamed(KEY, into, lambda piece: slices.append(bytes(piece)), SLICE_BYTES) == VALUE_BYTES
+    assert max(map(len, slices)) <= SLICE_BYTES and len(slices) > VALUE_BYTES // SLICE_BYTES
+    return b"".join(slices)
 
 
-def test_a_streamed_read_hands_out_every_byte_once_in_order_in_bounded_slices(device: FileDevice) -> None:
+def test_a_streamed_read_hands_out_every_byte_once(device: FileDevice, handout: str) -> None:
     device.cold_reads_direct = False
     data = value()
     device.put(KEY, [data])
     into = aligned(VALUE_BYTES)
-    joined, sizes = streamed(device, into)
-    assert joined == data and bytes(into) == data
-    assert max(sizes) <= SLICE_BYTES and len(sizes) > VALUE_BYTES // SLICE_BYTES
+    assert streamed(device, into, handout) == data and bytes(into) == data
 
 
-def test_a_cold_file_is_read_with_o_direct(device: FileDevice, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("nbytes", [0, 100, HEADER_BYTES, HEADER_BYTES + 1, HEADER_BYTES + (1 << 20)])
+def test_a_small_value_read_in_one_go_is_handed_out_in_its_pieces(device: FileDevice, nbytes: int) -> None:
+    data = os.urandom(nbytes)
+    device.put(KEY, [data])
+    pieces = Pieces()
+    assert device.get_streamed(KEY, aligned(max(nbytes, 1)), pieces) == nbytes
+    if nbytes:
+        assert pieces.joined(nbytes) == data
+    else:
+        assert pieces.taken == {}
+
+
+def test_a_cold_file_is_read_with_o_direct(device: FileDevice, monkeypatch: pytest.MonkeyPatch, handout: str) -> None:
     data = value()
     stored_cold(device, data)
     opens = DirectOpens(monkeypatch, cold=True)
-    joined, sizes = streamed(device, aligned(VALUE_BYTES))
-    assert joined == data and max(sizes) <= SLICE_BYTES
+    assert streamed(device, aligned(VALUE_BYTES), handout) == data
     assert opens.opened == 1 and opens.direct_reads >= 1
     drop_cached(object_path(Path(device.root), KEY))
     whole = aligned(VALUE_BYTES)
@@ -136,36 +187,39 @@ def test_a_cold_file_is_read_with_o_direct(device: FileDevice, monkeypatch: pyte
     assert opens.opened == 2
 
 
-def test_a_warm_file_is_read_through_the_page_cache(device: FileDevice, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_warm_file_is_read_through_the_page_cache(
+    device: FileDevice, monkeypatch: pytest.MonkeyPatch, handout: str
+) -> None:
     data = value()
     device.put(KEY, [data])  # Just written: its pages are cached.
     opens = DirectOpens(monkeypatch)
-    assert streamed(device, aligned(VALUE_BYTES))[0] == data
+    assert streamed(device, aligned(VALUE_BYTES), handout) == data
     assert opens.opened == 0
 
 
-def test_a_buffer_off_a_page_edge_is_read_buffered(device: FileDevice, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_buffer_off_a_page_edge_is_read_buffered(
+    device: FileDevice, monkeypatch: pytest.MonkeyPatch, handout: str
+) -> None:
     data = value()
     stored_cold(device, data)
     opens = DirectOpens(monkeypatch, cold=True)
     into = aligned(VALUE_BYTES + 1)[1:]  # O_DIRECT cannot read to this address.
-    assert streamed(device, into)[0] == data
+    assert streamed(device, into, handout) == data
     assert opens.opened == 0 and device.cold_reads_direct, "no judgement of the filesystem"
 
 
 @pytest.mark.parametrize("where", ["open", "read"])
 def test_a_filesystem_refusing_o_direct_gets_buffered_reads_said_once(
-    device: FileDevice, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, where: str
+    device: FileDevice, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, where: str, handout: str
 ) -> None:
     data = value()
     stored_cold(device, data)
     opens = DirectOpens(monkeypatch, refuse_open=where == "open", refuse_read=where == "read", cold=True)
     with caplog.at_level(logging.WARNING):
-        joined, sizes = streamed(device, aligned(VALUE_BYTES))
-        assert joined == data and max(sizes) <= SLICE_BYTES, "every byte once, as if nothing happened"
+        assert streamed(device, aligned(VALUE_BYTES), handout) == data, "every byte once, as if nothing happened"
         assert not device.cold_reads_direct
         drop_cached(object_path(Path(device.root), KEY))
-        assert streamed(device, aligned(VALUE_BYTES))[0] == data
+        assert streamed(device, aligned(VALUE_BYTES), handout) == data
     assert opens.opened == 1, "not asked again"
     said = [r.getMessage() for r in caplog.records]
     assert said == [

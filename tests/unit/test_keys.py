@@ -233,21 +233,21 @@ GOLDEN_TOKENS = [0, 1, 2, 3, 128000, 9906, 1917, TOKEN_ID_MAX, 7, 8]
 def test_golden_layout_encoding_and_digest() -> None:
     assert GOLDEN_LAYOUT.canonical() == (
         b'{"encoding":1,"layout":{"chunk_size":4,"extra":[["block_size","16"]],'
-        b'"format_version":2,"fragment_bytes":2097152,"key_namespace":"golden",'
+        b'"format_version":3,"fragment_bytes":2097152,"key_namespace":"golden",'
         b'"kv_dtype":"bfloat16","kv_shapes":["L0:2x4x8x128:bfloat16","L1:2x4x8x128:bfloat16"],'
         b'"model_id":"meta-llama/Llama-3.1-8B-Instruct",'
         b'"model_revision":"0e9e39f249a16976918f6564b8830bc894c89659",'
         b'"pp_rank":0,"tp_rank":1,"tp_size":2}}'
     )
-    assert GOLDEN_LAYOUT.digest().hex() == "6efe2a9f702ca3944fab01806fa9fe1a"
+    assert GOLDEN_LAYOUT.digest().hex() == "de0896b3656ee5b7907cdf51582f895e"
 
 
 @pytest.mark.parametrize(
     ("salt", "expected"),
     [
-        (None, ["59bfdf190e3a1258c5afcafb516c5de8", "b7dc954abfec8295a90ed3a826016d80"]),
-        ("", ["83dd4bb2de73607d2931094de82ccee7", "89854aca30910c4bf2a91456eccb04b2"]),
-        ("tenant-a", ["85f46a4f85a30905c6b7360f84c3dfba", "fba1380f08299617c7ac058f3276dbbe"]),
+        (None, ["7cc2c38fe4ee52645e19f8989a7e117b", "a2857786bda19c7c8b33e9770a10f696"]),
+        ("", ["4561bcb536ee3e4d4009f8fef49ac7f2", "c13942a61e9ee6def86799234033f467"]),
+        ("tenant-a", ["3a8b82ae52991500e96acacbd8b9cb70", "b3f5df0b1f95467073134c3dcf7ab3f3"]),
     ],
 )
 def test_golden_chunk_keys(salt: str | None, expected: list[str]) -> None:
@@ -257,15 +257,15 @@ def test_golden_chunk_keys(salt: str | None, expected: list[str]) -> None:
 
 def test_golden_chunk_keys_full_size_chunks_and_chain_continuation() -> None:
     layout = LayoutFingerprint(model_id="golden-model", chunk_size=256)
-    assert layout.digest().hex() == "1638f31c9ec21ab0dfbe87df0273cfac"
+    assert layout.digest().hex() == "e150b0248d0d50a1f61ce566cede8b81"
     tokens = [(i * 2654435761) % 128256 for i in range(600)]
     keys = chunk_keys(layout.digest(), 256, tokens, salt="s")
     assert [k.hex() for k in keys] == [
-        "6d9ba162fa6e16a95ed86e783ed93797",
-        "31da2c14f890c8e0e0fc3dea8eb25bb9",
+        "4fe121fec032828691e46488f19e1ba7",
+        "8e5c4e374c8bd835783e8539c343e9e3",
     ]
     continued = chunk_keys(layout.digest(), 256, tokens, salt="s", parent=bytes(range(16)))
-    assert continued[0].hex() == "2bf559a4e2a4c5677d0bc1c31f66ce32"
+    assert continued[0].hex() == "ebb5f20295d8507f093dd26a339eb124"
 
 
 def test_golden_fragment_key() -> None:

@@ -8,7 +8,8 @@ import os
 import pytest
 
 from kvharbor.cache.breaker import BreakerSettings, BreakerState, CircuitBreaker
-from kvharbor.cache.format import COPY_SLICE_BYTES, HEADER_BYTES, Codec, checksum, copy_with_checksum
+from kvharbor.cache.checksum import COPY_SLICE_BYTES, checksum, copy_with_checksum
+from kvharbor.cache.format import HEADER_BYTES, Codec
 from kvharbor.cache.index import MemoryIndex
 from kvharbor.cache.keys import ChunkKey, LayoutFingerprint
 from kvharbor.cache.store import TieredStore

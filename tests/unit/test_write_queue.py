@@ -20,7 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvharbor.cache.assembly import open_store
 from kvharbor.cache.breaker import BreakerSettings, CircuitBreaker
-from kvharbor.cache.format import HEADER_BYTES, Codec, checksum
+from kvharbor.cache.checksum import checksum
+from kvharbor.cache.format import HEADER_BYTES, Codec
 from kvharbor.cache.index import MemoryIndex
 from kvharbor.cache.keys import ChunkKey, LayoutFingerprint
 from kvharbor.cache.store import AsyncWrites, TieredStore, WritePolicy

@@ -46,7 +46,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from kvharbor.cache.format import copy_with_checksum
+from kvharbor.cache.checksum import copy_with_checksum
 from kvharbor.cache.keys import ChunkKey, namespace_tag
 from kvharbor.config import Config, ConfigError
 from kvharbor.connector.extra_config import config_from_extra

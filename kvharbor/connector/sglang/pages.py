@@ -17,9 +17,8 @@ from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 
-from kvharbor.cache.format import COPY_SLICE_BYTES
+from kvharbor.cache.checksum import COPY_SLICE_BYTES, ChecksumStream
 from kvharbor.connector.sglang.keys import BackendRefusal
 
 SUPPORTED_POOLS = frozenset({"MHATokenToKVPoolHost"})
@@ -102,14 +101,14 @@ class HostPages:
 
     def read(self, spans: Sequence[Span], into: memoryview) -> int:
         """Copy one page out of the pool into ``into`` (`page_bytes` long); returns the
-        `kvharbor.cache.format.checksum` of the page, hashing each slice just copied while
+        `kvharbor.cache.checksum.checksum` of the page, hashing each slice just copied while
         it is still in the CPU cache (as `copy_with_checksum` does): one pass over memory.
 
         Copies and hashes let go of the GIL: pages read on several threads at once
         (`kvharbor.connector.fanout`) run side by side, and SGLang's scheduler thread runs
         during a copy."""
         target = np.frombuffer(into, dtype=np.uint8)
-        hasher = xxhash.xxh3_64()
+        hasher = ChecksumStream()
         position = 0
         for offset, size in spans:
             for start in range(0, size, COPY_SLICE_BYTES):
