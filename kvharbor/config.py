@@ -796,7 +796,10 @@ class SglangSection(_Section):
     them first, for at most this long; what is left after it is said once and not stored.
     0: write nothing more at shutdown."""
     copy_threads: int = Field(
-        2, gt=0, le=64, description="threads that copy one batch_set_v1's pages into shared memory at once"
+        2,
+        gt=0,
+        le=64,
+        description="threads that copy one batch_set_v1's or batch_get_v1's pages to or from shared memory at once",
     )
     """A page's copy and checksum let go of the GIL, and one thread's copy does not fill
     the memory bus: with two threads, 128 pages of 2 MiB were stored in 28-32 ms, with one

@@ -45,10 +45,14 @@ def kvharbor_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.getMessage().startswith("kvharbor:")]
 
 
+@pytest.mark.parametrize("copy_threads", [1, 3], ids=["in-turn", "three-threads"])
 @pytest.mark.parametrize("layout", ["page_first", "layer_first", "page_first_direct"])
-def test_backup_then_prefetch_reads_every_page_back_byte_identical(real_gateway: RealGateway, layout: str) -> None:
+def test_backup_then_prefetch_reads_every_page_back_byte_identical(
+    real_gateway: RealGateway, layout: str, copy_threads: int
+) -> None:
     pool = host_pool(PAGE, layout)
-    storage = backend(extra(real_gateway), pool)
+    storage = backend(extra(real_gateway, sglang={"copy_threads": copy_threads}), pool)
+    assert storage._fanout is not None and storage._fanout.threads == copy_threads
     paths = PagePaths(storage, pool)
     written = fill_random(pool, PAGES, seed=1)
     tokens = list(range(1000, 1000 + PAGES * PAGE + 5))  # A partial tail: never a page.

@@ -193,7 +193,7 @@ class KVHarborStorage(HiCacheStorage):
         if placed is None:
             return [False] * len(keys)
         layout, pages, spans = placed
-        return self._load(layout, keys, lambda i, view: pages.write(spans[i], view))
+        return self._load(layout, keys, lambda i, view: pages.write(spans[i], view), self._fanout)
 
     def _placed(
         self, keys: list[str], host_indices: torch.Tensor
@@ -336,21 +336,24 @@ class KVHarborStorage(HiCacheStorage):
         ok = not link.is_off and link.counters.refused == refused
         return [ok] * len(page_hashes)
 
-    def _load(self, layout: SglangLayout, page_hashes: Sequence[str], sink: Any) -> list[bool]:
-        """Hand the leading stored pages to ``sink(i, view)``; True for each page handed
-        over whole. A value of another size ends the run: it is never copied."""
+    def _load(
+        self, layout: SglangLayout, page_hashes: Sequence[str], sink: Any, fanout: Fanout | None = None
+    ) -> list[bool]:
+        """Hand the leading stored pages to ``sink(i, view)`` (on ``fanout``'s threads where
+        given); True for each page of the leading run handed over whole. A value of another
+        size is never copied and ends the run (a page after it may have been copied into its
+        own target, which is then reported not loaded)."""
         link = self._link
         stored = self._keys(layout, page_hashes)
         if link is None or stored is None:
             return [False] * len(page_hashes)
-        intact = 0
+        copied = [False] * len(page_hashes)
 
         def checked(i: int, view: memoryview) -> None:
-            nonlocal intact
-            if i != intact or view.nbytes != layout.page_bytes:
-                return
-            sink(i, view)
-            intact += 1
+            if view.nbytes == layout.page_bytes:
+                sink(i, view)
+                copied[i] = True  # Page i's own slot: no other sink touches it.
 
-        link.load(layout.digest, stored, checked)
+        link.load(layout.digest, stored, checked, fanout)
+        intact = copied.index(False) if False in copied else len(copied)
         return [i < intact for i in range(len(page_hashes))]
