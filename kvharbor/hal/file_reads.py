@@ -97,24 +97,24 @@ def read_file(
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
     head_hi = chunks[0][1]
     if not plan.cold_direct or whole == 0:
-        return _pipelined(pool, fd, None, into, chunks, handout, whole)
+        return _pipelined(pool, fd, None, chunks, handout, whole)
     if _cached(fd, into[:head_hi]):
         handout.read(0, head_hi)
         handout.landed(0, head_hi)
-        return _pipelined(pool, fd, None, into, chunks[1:], handout, whole)
+        return _pipelined(pool, fd, None, chunks[1:], handout, whole)
     if into.readonly or address(into) % dio_memory_alignment(fd):
         # The buffer's address does not allow O_DIRECT: buffered, quietly (not the filesystem's doing).
-        return _pipelined(pool, fd, None, into, chunks, handout, whole)
+        return _pipelined(pool, fd, None, chunks, handout, whole)
     try:
         # Through /proc/self/fd: the very file ``fd`` reads, whatever was renamed over its name since.
         direct = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
     except OSError as err:
         if err.errno != errno.EINVAL:
             raise
-        result = _pipelined(pool, fd, None, into, chunks, handout, whole)
+        result = _pipelined(pool, fd, None, chunks, handout, whole)
         return ReadResult(result.nbytes, False, True)
     try:
-        return _pipelined(pool, fd, direct, into, chunks, handout, whole)
+        return _pipelined(pool, fd, direct, chunks, handout, whole)
     finally:
         os.close(direct)
 
@@ -173,7 +173,6 @@ def _pipelined(
     pool: ThreadPoolExecutor,
     fd: int,
     direct: int | None,
-    into: memoryview,
     chunks: list[tuple[int, int]],
     handout: _Handout,
     whole: int,
@@ -182,6 +181,7 @@ def _pipelined(
     once it landed; the chunks within the file's ``whole`` blocks through ``direct`` where it
     is given (one it refuses, with EINVAL, through ``fd``)."""
     refused = threading.Event()
+    into = handout.into
 
     def read_chunk(lo: int, hi: int) -> int:
         n = fill(lo, hi)
