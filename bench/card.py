@@ -13,7 +13,8 @@ much is the driver's, and an empty Python call, the interpreter's floor.
 The block store (`kvharbor.hal.block`): puts and gets of 32 MiB values against
 raw sequential O_DIRECT writes and reads of the same bytes, from an aligned
 buffer, on a file of the same filesystem (``--dir``), in the same run and
-interleaved (`common.best_seconds_interleaved`). Both sides make each value
+interleaved (`common.interleaved_seconds`): the best round of each, and the median over
+rounds of the paired ratio (``…_median``, `common.paired_median_ratio`). Both sides make each value
 durable before the next (``fdatasync``), as the store does with ``fsync`` on. A
 put is what the cache tier hands the card: a cache header, then the payload
 where it lies in (page-aligned) shared memory. A get gives the value back the
@@ -44,7 +45,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import best_seconds_interleaved, emit
+from common import emit, interleaved_seconds, paired_median_ratio
 
 from kvharbor.cache.format import HEADER_BYTES
 from kvharbor.hal.block.direct import AlignedBuffer, open_direct, pwrite_full
@@ -61,7 +62,8 @@ REPEATS = 5
 BLOCK_VALUE_BYTES = 32 << 20
 BLOCK_VALUES = 8
 """Values per timed pass of the block-store comparison: 256 MiB, well past any disk cache."""
-BLOCK_REPEATS = 5
+BLOCK_REPEATS = 9
+"""Rounds of the block-store comparison: an odd number, for the median of paired ratios."""
 
 
 def mixed_ops(device: SimCardDevice, count: int, seed: int) -> Callable[[], None]:
@@ -134,8 +136,9 @@ def write_zeros(path: str, nbytes: int) -> None:
         os.fsync(f.fileno())
 
 
-def block_store_seconds(directory: str) -> dict[str, float]:
-    """Best seconds per pass of `BLOCK_VALUES` values: the store's puts and gets, raw writes and reads."""
+def block_store_seconds(directory: str) -> dict[str, list[float]]:
+    """Seconds per pass of `BLOCK_VALUES` values, per round: the store's puts and gets, raw
+    writes and reads."""
     raw_path = os.path.join(directory, "raw.blocks")
     store_path = os.path.join(directory, "store.blocks")
     span = BLOCK_VALUES * BLOCK_VALUE_BYTES
@@ -191,7 +194,7 @@ def block_store_seconds(directory: str) -> dict[str, float]:
     }
     try:
         each_value(passes["store_put"])()
-        return best_seconds_interleaved({name: each_value(op) for name, op in passes.items()}, BLOCK_REPEATS)
+        return interleaved_seconds({name: each_value(op) for name, op in passes.items()}, BLOCK_REPEATS)
     finally:
         store.close()
         os.close(raw.fd)
@@ -233,7 +236,8 @@ def main() -> None:
     figures["card_seconds_per_wall_second"] = round(card.card.clock.now() / (args.ops / rates["sim_ops_per_s"]), 1)
     figures["evicted_keys"] = card.card.counts["evicted_keys"]
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="kvharbor-bench-") as directory:
-        seconds = block_store_seconds(directory)
+        rounds = block_store_seconds(directory)
+    seconds = {name: min(each) for name, each in rounds.items()}
     mib = BLOCK_VALUES * BLOCK_VALUE_BYTES / (1 << 20)
     for name, elapsed in seconds.items():
         figures[f"blockstore_{name}_mib_per_s"] = round(mib / elapsed)
@@ -242,6 +246,8 @@ def main() -> None:
         "blockstore_write_vs_raw": seconds["raw_write"] / seconds["store_put"],
         "blockstore_read_vs_raw": seconds["raw_read"] / seconds["store_get"],
         "blockstore_read_copied_vs_raw": seconds["raw_read"] / seconds["store_get_copied"],
+        "blockstore_write_vs_raw_median": paired_median_ratio(rounds["raw_write"], rounds["store_put"]),
+        "blockstore_read_vs_raw_median": paired_median_ratio(rounds["raw_read"], rounds["store_get"]),
     }
     emit(figures, ratios, args.json)
 

@@ -2,7 +2,13 @@
 
 Benchmarks print ratios against the physical limit and against peers measured
 in the same run; they never assert on time. The machines are noisy, so each
-figure is the best of several repetitions: the least disturbed run.
+figure is the best of several repetitions: the least disturbed run. Where a
+ratio's two sides are bound by a disk whose speed wanders by up to 2x within
+minutes (these VMs' virtio disks), the best of each side is drawn from
+whichever moment the disk was fastest for it, and one lucky repetition moves
+the ratio by a third; such ratios come with a second figure,
+`paired_median_ratio`: the median over rounds of the two sides' times taken
+one right after the other.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import statistics
 import subprocess
 import sys
 import time
@@ -44,18 +51,32 @@ def best_seconds(work: Callable[[], object], repeats: int, min_s: float = 0.05) 
     return best
 
 
-def best_seconds_interleaved(works: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """`best_seconds` of each of ``works``, timed in turn ``repeats`` times round.
+def interleaved_seconds(works: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+    """Each of ``works`` timed once per round (`best_seconds` of one repetition), in turn,
+    ``repeats`` rounds: per work, its seconds in round order.
 
     A figure and the reference it is divided by are then drawn from the same
     stretch of time, so a disturbance that lasts a while (another process's
     test run) cannot favour whichever was timed when it was quiet.
     """
-    best = dict.fromkeys(works, float("inf"))
+    rounds: dict[str, list[float]] = {name: [] for name in works}
     for _ in range(repeats):
         for name, work in works.items():
-            best[name] = min(best[name], best_seconds(work, 1))
-    return best
+            rounds[name].append(best_seconds(work, 1))
+    return rounds
+
+
+def best_seconds_interleaved(works: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """The fastest round of each of ``works`` (see `interleaved_seconds`)."""
+    return {name: min(seconds) for name, seconds in interleaved_seconds(works, repeats).items()}
+
+
+def paired_median_ratio(reference_s: list[float], subject_s: list[float]) -> float:
+    """The median over rounds of ``reference_s[i] / subject_s[i]``: how fast the subject ran
+    against its reference timed beside it, in a typical round (see the module docstring)."""
+    if len(reference_s) != len(subject_s) or not subject_s:
+        raise ValueError(f"paired rounds: {len(reference_s)} reference timings and {len(subject_s)} subject timings")
+    return statistics.median(ref / sub for ref, sub in zip(reference_s, subject_s, strict=True))
 
 
 def emit(figures: dict[str, Any], ratios: dict[str, float], as_json: bool) -> None:
