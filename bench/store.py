@@ -18,7 +18,7 @@ reference come from the same stretch of time):
   tier holds values (`RawWrites`). Both thus write into page-cache pages
   freed alike, and free blocks alike: removing the file just written instead
   made raw writes 15-25% faster on a 2-core VM whose root filesystem is
-  mounted with ``discard`` (blocks freed are handed back to the host, and the
+  mounted with ``discard`` (likely: blocks freed are handed back to the host, and the
   next write into them is slower). A tier that only grows writes into pages never touched
   before, which on a VM whose balloon reports free pages to the host costs
   a host fault per page (~60 ms per 32 MiB measured here, in a raw write
