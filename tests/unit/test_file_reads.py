@@ -116,8 +116,8 @@ class Pieces:
 
     def __init__(self) -> None:
         self.taken: dict[int, bytes] = {}
-        self.payload_threads: set[int] = set()
-        """The threads that took pieces past the first (the header's)."""
+        self.takers: dict[int, int] = {}
+        """The thread that took each piece, by its offset."""
 
     def __call__(self, data: memoryview) -> None:
         raise AssertionError("a consumer of pieces was handed an in-order slice")
@@ -125,8 +125,7 @@ class Pieces:
     def take(self, offset: int, data: memoryview) -> None:
         assert offset not in self.taken, f"piece {offset} taken twice"
         self.taken[offset] = bytes(data)
-        if offset:
-            self.payload_threads.add(threading.get_ident())
+        self.takers[offset] = threading.get_ident()
 
     def joined(self, nbytes: int) -> bytes:
         """The pieces' bytes, after checking they are exactly the pieces of ``nbytes``."""
@@ -134,6 +133,30 @@ class Pieces:
         assert sorted(self.taken) == bounds[:-1]
         assert [len(self.taken[lo]) for lo in bounds[:-1]] == [hi - lo for lo, hi in itertools.pairwise(bounds)]
         return b"".join(self.taken[lo] for lo in bounds[:-1])
+
+
+class Reads:
+    """Records, while active, which thread read each range of a file (``os.preadv``)."""
+
+    def __init__(self) -> None:
+        self.ranges: list[tuple[int, int, int]] = []
+        self._real = os.preadv
+
+    def __enter__(self) -> Reads:
+        def recorded(fd: int, buffers: Any, offset: int, *flags: int) -> int:
+            n = self._real(fd, buffers, offset, *flags)
+            self.ranges.append((offset, offset + n, threading.get_ident()))
+            return n
+
+        os.preadv = recorded  # type: ignore[assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.preadv = self._real
+
+    def reader(self, offset: int) -> int | None:
+        """The thread that last read the byte at ``offset``."""
+        return next((thread for lo, hi, thread in reversed(self.ranges) if lo <= offset < hi), None)
 
 
 @pytest.fixture(params=["slices", "pieces"])
@@ -146,8 +169,10 @@ def streamed(device: FileDevice, into: memoryview, handout: str) -> bytes:
     """The value read by ``get_streamed``, after checking how it was handed out."""
     if handout == "pieces":
         pieces = Pieces()
-        assert device.get_streamed(KEY, into, pieces, SLICE_BYTES) == VALUE_BYTES
-        assert threading.get_ident() not in pieces.payload_threads, "taken by the I/O threads that read them"
+        with Reads() as reads:
+            assert device.get_streamed(KEY, into, pieces, SLICE_BYTES) == VALUE_BYTES
+        for offset, taker in pieces.takers.items():
+            assert reads.reader(offset) == taker, f"piece {offset} taken by the thread that read it"
         return pieces.joined(VALUE_BYTES)
     slices: list[bytes] = []
     assert device.get_streamed(KEY, into, lambda piece: slices.append(bytes(piece)), SLICE_BYTES) == VALUE_BYTES
