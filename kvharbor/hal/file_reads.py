@@ -281,11 +281,18 @@ class _Claims:
             return self._claimed - 1
 
     def _run(self, index: int) -> None:
-        outcome: int | BaseException
         try:
-            outcome = self._read(index)
-        except BaseException as err:  # Raised in the caller's thread, by `result`.
-            outcome = err
+            outcome: int | BaseException = self._read(index)
+        except BaseException as err:
+            # Raised in the caller's thread, by `result`; recorded first whatever it is, so
+            # that no thread waits on this chunk for ever.
+            self._record(index, err)
+            if not isinstance(err, Exception):
+                raise  # KeyboardInterrupt, SystemExit: on their way out of this thread now.
+            return
+        self._record(index, outcome)
+
+    def _record(self, index: int, outcome: int | BaseException) -> None:
         with self._changed:
             self._outcomes[index] = outcome
             self._changed.notify_all()

@@ -25,6 +25,7 @@ from kvharbor.cache.keys import LayoutFingerprint
 from kvharbor.cache.manifest import open_manifest
 from kvharbor.cache.tier import Tier
 from kvharbor.config import validate_config
+from kvharbor.hal.base import DeviceUnavailable
 from kvharbor.hal.block.direct import address
 from kvharbor.hal.file import FileDevice, open_file_device
 
@@ -186,6 +187,41 @@ def test_a_streamed_read_hands_out_every_byte_once(device: FileDevice, handout: 
     device.put(KEY, [data])
     into = aligned(VALUE_BYTES)
     assert streamed(device, into, handout) == data and bytes(into) == data
+
+
+def test_a_read_error_is_raised_once_every_read_of_the_value_has_ended(
+    device: FileDevice, monkeypatch: pytest.MonkeyPatch, handout: str
+) -> None:
+    """EIO on the chunk in the middle of a value: the get raises it, naming the tier and the
+    path, and only once no thread reads into the caller's buffer any more."""
+    device.cold_reads_direct = False
+    device.put(KEY, [value()])
+    middle = VALUE_BYTES // 2
+    lock = threading.Lock()
+    reading = 0
+    failed = threading.Event()
+    real_preadv = os.preadv
+
+    def preadv(fd: int, buffers: Any, offset: int, *flags: int) -> int:
+        nonlocal reading
+        with lock:
+            reading += 1
+        try:
+            if offset <= middle < offset + sum(memoryview(b).nbytes for b in buffers) and not failed.is_set():
+                failed.set()
+                raise OSError(errno.EIO, "Input/output error")
+            return real_preadv(fd, buffers, offset, *flags)
+        finally:
+            with lock:
+                reading -= 1
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    consume: Any = Pieces() if handout == "pieces" else (lambda piece: None)
+    with pytest.raises(DeviceUnavailable, match=r"get .*Input/output error") as raised:
+        device.get_streamed(KEY, aligned(VALUE_BYTES), consume, SLICE_BYTES)
+    assert failed.is_set() and raised.value.device == "local"
+    with lock:
+        assert reading == 0, "a read still ran into the buffer after the get returned"
 
 
 @pytest.mark.parametrize("nbytes", [0, 100, HEADER_BYTES, HEADER_BYTES + 1, HEADER_BYTES + (1 << 20)])
