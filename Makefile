@@ -40,4 +40,5 @@ bench: setup
 	.venv/bin/python bench/manifest.py
 	.venv/bin/python bench/ipc.py
 	.venv/bin/python bench/e2e.py
+	.venv/bin/python bench/shared.py
 	$(SGLANG_VENV)/bin/python bench/sglang.py

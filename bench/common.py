@@ -20,7 +20,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -91,13 +91,26 @@ def emit(figures: dict[str, Any], ratios: dict[str, float], as_json: bool) -> No
 
 
 @contextmanager
-def gateway_process(config_path: Path, log_path: Path, start_timeout_s: float) -> Iterator[subprocess.Popen[bytes]]:
+def gateway_process(
+    config_path: Path, log_path: Path, start_timeout_s: float, prefix: Sequence[str] = ()
+) -> Iterator[subprocess.Popen[bytes]]:
     """A real ``kvharbor gateway`` on ``config_path``, its output in ``log_path``, serving
-    inside the block (its ready pipe answered); stopped with SIGTERM after it."""
+    inside the block (its ready pipe answered); stopped with SIGTERM after it. ``prefix``: a
+    command that execs it elsewhere (``ip netns exec NAME``: another host's network)."""
     read_end, write_end = os.pipe()
     log = open(log_path, "wb")  # noqa: SIM115 - closed below
     child = subprocess.Popen(
-        [sys.executable, "-m", "kvharbor", "gateway", "--config", str(config_path), "--ready-fd", str(write_end)],
+        [
+            *prefix,
+            sys.executable,
+            "-m",
+            "kvharbor",
+            "gateway",
+            "--config",
+            str(config_path),
+            "--ready-fd",
+            str(write_end),
+        ],
         pass_fds=(write_end,),
         stdout=log,
         stderr=log,

@@ -91,7 +91,11 @@ def engine_main(spec_path: str) -> None:
 
     timed(spec["warmup"])
     ttft, output = timed(spec["prompt"])
-    result: dict[str, Any] = {"ttft_s": ttft, "cached": output.num_cached_tokens}
+    result: dict[str, Any] = {
+        "ttft_s": ttft,
+        "cached": output.num_cached_tokens,
+        "first_token": output.outputs[0].token_ids[0],
+    }
     if spec.get("local_hit"):
         result["local_hit_s"], _ = timed(spec["prompt"])
     metrics = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
