@@ -40,6 +40,7 @@ from bench import e2e  # noqa: E402
 from bench.common import emit, gateway_process, run_engine_process  # noqa: E402
 from kvharbor.demo.dtype import choose_dtype  # noqa: E402
 from kvharbor.demo.model import build_tiny_model  # noqa: E402
+from kvharbor.hal.s3 import RECORDS  # noqa: E402
 from tests.e2e.e2e_harness import bound  # noqa: E402
 from tests.support.netns import HostNet, netns_works  # noqa: E402
 from tests.support.s3_server import MotoServer, credentials_in_env, s3_tier  # noqa: E402
@@ -73,9 +74,9 @@ def host_config(workdir: Path, host: str, server: MotoServer, bucket: str) -> Pa
 
 
 def stored_objects(server: MotoServer, bucket: str) -> int:
-    """The values in ``bucket`` (not the tier's own records under ``_kvharbor/``)."""
+    """The values in ``bucket`` (not the tier's own records, `RECORDS`)."""
     pages = server.client().get_paginator("list_objects_v2").paginate(Bucket=bucket)
-    return sum(1 for page in pages for item in page.get("Contents", ()) if "/_kvharbor/" not in item["Key"])
+    return sum(1 for page in pages for item in page.get("Contents", ()) if RECORDS not in item["Key"])
 
 
 def main() -> None:
@@ -118,10 +119,7 @@ def main() -> None:
                     with gateway_process(configs["a"], workdir / "gateway-a.log", GATEWAY_START_S, net.prefix("a")):
                         host_a = engine("host_a", configs["a"])
                     # Host A's gateway has stopped: its write queue is in S3, its RAM tier gone.
-                    pages = server.client().get_paginator("list_objects_v2").paginate(Bucket=bucket)
-                    objects = sum(
-                        1 for page in pages for item in page.get("Contents", ()) if "_kvharbor/" not in item["Key"]
-                    )
+                    objects = stored_objects(server, bucket)
                     with gateway_process(configs["b"], workdir / "gateway-b.log", GATEWAY_START_S, net.prefix("b")):
                         host_b = engine("host_b", configs["b"])
             finally:
