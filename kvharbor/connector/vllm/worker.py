@@ -154,6 +154,8 @@ class _Loading:
     """A step's restores, started on the loader thread (`WorkerSide.prepare_load`)."""
 
     meta: KVHarborMetadata
+    path: DataPath
+    """The chunks' data path."""
     started_s: float
     restores: _Restores | None
     """None where the chunks are restored only in `WorkerSide.load` (a hybrid model's)."""
@@ -387,14 +389,22 @@ class WorkerSide:
         if self._state_path is not None:
             # vLLM zeroes a hybrid model's new attention blocks after this call (its runner's
             # ``_update_states``: ``new_block_ids_to_zero``): its chunks are restored in `load`.
-            self._loading = _Loading(meta, started, None, states)
+            self._loading = _Loading(meta, self._path, started, None, states)
             return
-        underway = _Underway(self._path.copy.loads_queued_max)
-        restores = _Restores(started)
-        self._loader.submit(self._restore_announced, meta.loads, states, underway, restores)
-        self._loading = _Loading(meta, started, restores, states)
+        restores, underway = self._start_restores(self._path, meta.loads, states, started)
+        self._loading = _Loading(meta, self._path, started, restores, states)
         # The loader's first requests need the interpreter, which this thread would hold.
         underway.wait(self.config.engine.load_start_wait_ms / 1000)
+
+    def _start_restores(
+        self, path: DataPath, transfers: Sequence[ChunkTransfer], states: Sequence[bool], started_s: float
+    ) -> tuple[_Restores, _Underway]:
+        """`_restore_announced` of ``transfers`` started on the loader thread, after
+        ``path``'s `DataPath.begin_loads` on this (the engine's) thread."""
+        underway = _Underway(path.copy.loads_queued_max)
+        restores = _Restores(started_s)
+        self._loader.submit(self._restore_announced, transfers, states, underway, restores)
+        return restores, underway
 
     def load(self, meta: KVHarborMetadata) -> None:
         """Restore the step's planned chunks, as far as every rank could (`RankAgreement`).
@@ -426,8 +436,10 @@ class WorkerSide:
         if loading is not None and loading.restores is not None:
             restores = loading.restores
         elif loading is not None:  # A hybrid model's chunks, after vLLM zeroed their blocks.
-            restores = _Restores(loading.started_s)
-            restores.finish(self._restore_all(meta.loads, loading.states))
+            # Ordered after the zeroing, which vLLM queued on the engine's stream since
+            # `prepare_load`; their last copies then run under the forward pass, as above.
+            loading.path.begin_loads()
+            restores, _ = self._start_restores(loading.path, meta.loads, loading.states, loading.started_s)
         else:  # No ``handle_preemptions`` before (a vLLM without it): restore now.
             restores = _Restores(time.perf_counter())
             for path in self._paths() if meta.loads else ():
