@@ -17,14 +17,18 @@ filesystem (``--dir``), in the same run and
 interleaved (`common.interleaved_seconds`): the best round of each, and the median over
 rounds of the paired ratio (``…_median``, `common.paired_median_ratio`). Both sides make each value
 durable before the next (``fdatasync``), as the store does with ``fsync`` on. A
-put is what the cache tier hands the card: a cache header, then the payload
-where it lies in (page-aligned) shared memory. A get gives the value back the
-same way, its payload on a page edge after the header (``store_get``), and
-into a buffer at no particular address (a ``bytearray``: ``store_get_copied``).
-The store's extra work per value: on a write the xxh3 checksum (the payload goes
-to the device from the caller's memory; only the header and the last partial
-block are copied); on a read the checksum (the payload is read into the caller's
-memory where its address suits O_DIRECT, else copied there, which
+put is what the cache tier hands the card (``store_put``): a cache header, then
+the payload where it lies in (page-aligned) shared memory, with the payload's
+checksum its writer took (`BlockStoreDevice.put_checksummed`, as
+`EncodedPart.put_on` calls it); ``store_put_hashed`` is the same put without it,
+the store hashing the payload itself. A get gives the value back the same way,
+its payload on a page edge after the header (``store_get``), and into a buffer at
+no particular address (a ``bytearray``: ``store_get_copied``). The store's extra
+work per value: on a write the header block's copy and hash (the payload goes to
+the device from the caller's memory; only its last partial block is copied),
+and the payload's hash in ``store_put_hashed``; on a read the checksum, each
+1 MiB segment hashed by the I/O thread that read it (the payload is read into
+the caller's memory where its address suits O_DIRECT, else copied there, which
 ``store_get_copied`` shows). That CPU work overlaps the I/O
 (`kvharbor.hal.block.pipeline`) where a core is free for it: on a small machine
 busy with other work the read ratio falls with the CPU left over, while the raw
@@ -52,6 +56,7 @@ from kvharbor.cache.format import HEADER_BYTES
 from kvharbor.hal.block.direct import AlignedBuffer, open_direct, pwrite_full
 from kvharbor.hal.block.layout import BLOCK_BYTES
 from kvharbor.hal.block.store import BlockStoreDevice
+from kvharbor.hal.checksum import checksum
 from kvharbor.hal.posix import read_into
 from kvharbor.hal.sim.clock import VirtualClock
 from kvharbor.hal.sim.device import SimCardDevice
@@ -155,6 +160,7 @@ def block_store_seconds(directory: str) -> dict[str, list[float]]:
     store = BlockStoreDevice("card", store_path, BLOCK_VALUE_BYTES)
     # A put as the cache tier makes one from shared memory: its header, then the payload where it lies.
     parts = [bytes(aligned.view[:HEADER_BYTES]), aligned.view[: BLOCK_VALUE_BYTES - HEADER_BYTES]]
+    writers_checksum = checksum(parts[-1])  # Taken by the writer as it filled the payload.
     # A get's payload lands on a page edge after its header, as a put takes it (`BLOCK_BYTES` apart).
     landing = AlignedBuffer(BLOCK_BYTES + BLOCK_VALUE_BYTES)
     into = landing.view[BLOCK_BYTES - HEADER_BYTES : BLOCK_BYTES - HEADER_BYTES + BLOCK_VALUE_BYTES]
@@ -192,7 +198,8 @@ def block_store_seconds(directory: str) -> dict[str, list[float]]:
 
     passes = {
         "raw_write": raw_write,
-        "store_put": lambda n: store.put(keys[n], parts),
+        "store_put": lambda n: store.put_checksummed(keys[n], parts, writers_checksum),
+        "store_put_hashed": lambda n: store.put(keys[n], parts),
         "raw_read": raw_read,
         "store_get": store_get(into),
         "store_get_copied": store_get(copied_into),
@@ -250,6 +257,7 @@ def main() -> None:
     ratios = {
         "sim_ops_vs_target_200k": rates["sim_ops_per_s"] / 200_000,
         "blockstore_write_vs_raw": seconds["raw_write"] / seconds["store_put"],
+        "blockstore_write_hashed_vs_raw": seconds["raw_write"] / seconds["store_put_hashed"],
         "blockstore_read_vs_raw": seconds["raw_read"] / seconds["store_get"],
         "blockstore_read_copied_vs_raw": seconds["raw_read"] / seconds["store_get_copied"],
         "blockstore_write_vs_raw_median": paired_median_ratio(rounds["raw_write"], rounds["store_put"]),

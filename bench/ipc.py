@@ -55,10 +55,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import emit, gateway_process
 
-from kvharbor.cache.checksum import checksum
 from kvharbor.cache.format import HEADER_BYTES
 from kvharbor.config import MIB, GatewaySection, load_config
 from kvharbor.gateway.client import GatewayClient
+from kvharbor.hal.checksum import checksum
 
 FINGERPRINT = b"bench-ipc-layout"
 PROMPT_CHUNKS = 512

@@ -85,11 +85,11 @@ from common import best_seconds_interleaved, emit, interleaved_seconds, paired_m
 from s3 import s3_ratios, s3_server, s3_works
 
 from kvharbor.cache.assembly import open_store
-from kvharbor.cache.checksum import checksum
 from kvharbor.cache.format import HEADER_BYTES
 from kvharbor.cache.keys import LayoutFingerprint
 from kvharbor.cache.store import TieredStore
 from kvharbor.config import MIB, validate_config
+from kvharbor.hal.checksum import checksum
 from kvharbor.hal.file import FileDevice
 from kvharbor.hal.posix import fsync_dir
 

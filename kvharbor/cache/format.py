@@ -11,7 +11,7 @@ Header, little-endian, `HEADER_BYTES` (one page) long, its fields first::
     key 16 B | fingerprint digest 16 B
     fragment index u32 | fragment count u32
     raw length u64 | stored length u64 | payload length u64
-    payload checksum u64 (`kvharbor.cache.checksum`) | namespace tag u64
+    payload checksum u64 (`kvharbor.hal.checksum`) | namespace tag u64
     zero padding up to HEADER_BYTES - 8 | header checksum u64 (xxh3-64, of all bytes before it)
 
 Format 2 pads the header to a page so that the payload starts on a page edge: a value read
@@ -20,7 +20,7 @@ engine's copy and for O_DIRECT, and a file's payload sits on the filesystem's bl
 Format 1 (releases before it) put the checksum right after the fields, 96 bytes in all.
 Format 3 changed only the payload checksum: xxh3-64 of the xxh3-64 digests of the payload's
 1 MiB segments, where format 2 took one xxh3-64 over the payload, so that readers hash segments
-on several threads (`kvharbor.cache.checksum` says why).
+on several threads (`kvharbor.hal.checksum` says why).
 
 The namespace tag (`kvharbor.cache.keys.namespace_tag` of ``engine.key_namespace``)
 took the place of 8 reserved bytes of format 1 that were always written as zero: an object
@@ -67,9 +67,9 @@ import lz4.frame
 import xxhash
 import zstandard
 
-from kvharbor.cache.checksum import SEGMENT_BYTES, ChecksumStream, checksum, combine, segment_digest
 from kvharbor.cache.keys import FORMAT_VERSION, KEY_BYTES, NAMESPACE_UNKNOWN, ChunkKey, check_key, fragment_key
-from kvharbor.hal.base import Buffer
+from kvharbor.hal.base import Buffer, ChecksummedPuts, Device
+from kvharbor.hal.checksum import SEGMENT_BYTES, ChecksumStream, checksum, combine, segment_digest
 
 MAGIC = b"KVHO"
 _FIELDS = struct.Struct("<4sHBB16s16sIIQQQQQ")
@@ -161,10 +161,20 @@ class EncodedPart:
     device_key: ChunkKey
     header: bytes
     payload: memoryview
+    payload_checksum: int
+    """`kvharbor.hal.checksum.checksum` of ``payload``, as ``header`` records it."""
 
     @property
     def nbytes(self) -> int:
         return len(self.header) + self.payload.nbytes
+
+    def put_on(self, device: Device) -> None:
+        """Store the part on ``device``, handing it the payload's checksum where the device
+        can take it instead of hashing the payload again (`ChecksummedPuts`)."""
+        if isinstance(device, ChecksummedPuts):
+            device.put_checksummed(self.device_key, [self.header, self.payload], self.payload_checksum)
+        else:
+            device.put(self.device_key, [self.header, self.payload])
 
 
 class PayloadChecksum:
@@ -307,7 +317,7 @@ def encode(
             namespace=namespace,
         )
         device_key = ChunkKey(bytes(key)) if index == 0 else fragment_key(key, index)
-        parts.append(EncodedPart(device_key, header.pack(), payload))
+        parts.append(EncodedPart(device_key, header.pack(), payload, header.payload_checksum))
     return parts
 
 

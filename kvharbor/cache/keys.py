@@ -37,7 +37,7 @@ Part of every fingerprint: a release that changes how bytes are stored gets
 new keys, so it can never read an object written in the old format, and two
 releases sharing a tier never write the same key (each one's objects are the
 other's misses). 2: the header padded to a page, the payload page-aligned.
-3: the payload checksum combined from 1 MiB segments' digests (`kvharbor.cache.checksum`).
+3: the payload checksum combined from 1 MiB segments' digests (`kvharbor.hal.checksum`).
 """
 
 FINGERPRINT_ENCODING_VERSION = 1

@@ -33,7 +33,7 @@ def probe_device(device: Device, codec: Codec) -> None:
     step = "write"
     try:
         for part in encode(key, _PROBE_FINGERPRINT, payload, codec, device.max_value_bytes):
-            device.put(part.device_key, [part.header, part.payload])
+            part.put_on(device)
         step = "read back"
 
         def read(device_key: ChunkKey) -> memoryview | None:

@@ -417,7 +417,7 @@ class Tier:
     ) -> bool:
         """Store ``value``; True if stored.
 
-        ``value_checksum`` is `kvharbor.cache.checksum.checksum` of ``value`` when the caller
+        ``value_checksum`` is `kvharbor.hal.checksum.checksum` of ``value`` when the caller
         has it (its writer took it while the bytes were in its cache): a full pass over the
         value saved. A wrong one costs only this value: its reads fail their check, a miss.
 
@@ -473,7 +473,7 @@ class Tier:
             return False
         try:
             for part in parts:
-                self.device.put(part.device_key, [part.header, part.payload])
+                part.put_on(self.device)
         except DeviceFull as err:
             self.metrics.outcome(TierOp.PUT, Outcome.FULL)
             self._once.say(

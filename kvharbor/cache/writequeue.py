@@ -79,7 +79,7 @@ class _Write:
         self.fingerprint = fingerprint
         self.value = value
         self.checksum = checksum
-        """The value's `kvharbor.cache.checksum.checksum` when its writer took it (None: the tier takes it)."""
+        """The value's `kvharbor.hal.checksum.checksum` when its writer took it (None: the tier takes it)."""
         self.cancelled = False
         """Deleted while being written: delete it again once it lands."""
 

@@ -394,7 +394,7 @@ class CacheLink:
         ``namespace``: the writer's `kvharbor.cache.keys.namespace_tag`, kept in the headers.
 
         Returns how many the gateway stored; values already stored are skipped
-        without being filled. A ``fill`` may return the `kvharbor.cache.checksum.checksum`
+        without being filled. A ``fill`` may return the `kvharbor.hal.checksum.checksum`
         of the bytes it wrote, taken as it wrote them: when every fill of a batch does,
         the gateway need not read the values again to checksum them. Each value is marked complete (`PutBatch.mark`) as
         soon as its bytes are in place: right after its ``fill``, or, when ``fill``

@@ -48,7 +48,6 @@ from pathlib import Path
 from typing import TypeVar
 
 from kvharbor import __version__
-from kvharbor.cache.checksum import copy_with_checksum
 from kvharbor.cache.keys import NAMESPACE_UNKNOWN, LayoutFingerprint
 from kvharbor.cache.purge import PurgeFilter, PurgeReport
 from kvharbor.config import GatewaySection
@@ -59,6 +58,7 @@ from kvharbor.gateway.silence import describe_silence
 from kvharbor.gateway.status import GatewayStatus
 from kvharbor.gateway.wire import FrameReader, PeerClosed, send_message
 from kvharbor.hal.base import Buffer
+from kvharbor.hal.checksum import copy_with_checksum
 
 _Reply = TypeVar("_Reply", bound=p.Message)
 _TIMEVAL = struct.Struct("@ll")

@@ -32,7 +32,7 @@ client's `ConfigDigest`. 6: PUT_READY lends an area for completion marks. 7: LOO
 value sizes and answers which hits are resident; VERIFY and DROP. 8: STATUS_OK carries a
 typed `GatewayStatus`; HELLO registers the client's layouts; STATUS and LOCATE need no
 HELLO; PUT_PREPARE carries the writer's namespace tag; PURGE. 9: PUT_COMMIT's checksums
-are object format 3's (`kvharbor.cache.checksum`)."""
+are object format 3's (`kvharbor.hal.checksum`)."""
 
 FRAME = struct.Struct("<IHHQ")
 FRAME_BYTES = FRAME.size
@@ -658,7 +658,7 @@ class PutCommit(Message):
     TYPE: ClassVar[MessageType] = MessageType.PUT_COMMIT
     batch: int
     checksums: list[int] = field(default_factory=list)
-    """The `kvharbor.cache.checksum.checksum` of each value written, in the batch's order
+    """The `kvharbor.hal.checksum.checksum` of each value written, in the batch's order
     (SKIPs left out), taken by the writer while the bytes were in its cache; empty: the
     gateway takes them."""
 

@@ -33,12 +33,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from kvharbor.cache.checksum import checksum
 from kvharbor.cache.store import TieredStore
 from kvharbor.cache.tier import Reservation, SharedHit
 from kvharbor.config import MIB, Config
 from kvharbor.gateway import protocol as p
 from kvharbor.gateway.shm import Segment, address_of
+from kvharbor.hal.checksum import checksum
 from kvharbor.hal.extents import Extents
 from kvharbor.telemetry.metrics import GatewayMetrics
 

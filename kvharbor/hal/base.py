@@ -412,6 +412,18 @@ class SelfDescribingDevice(ABC):  # noqa: B024 - a marker: what it promises is i
     `kvharbor.cache.recovery`), so a restart keeps every value the device still holds."""
 
 
+class ChecksummedPuts(ABC):
+    """Mixin for devices that checksum what they store and can take the checksum of a
+    value's last part from the caller instead of hashing it again: a payload's writer took
+    `kvharbor.hal.checksum.checksum` of it while the bytes were in its cache (block mode)."""
+
+    @abstractmethod
+    def put_checksummed(self, key: bytes, parts: Sequence[Buffer], last_part_checksum: int) -> None:
+        """`Device.put`, told ``last_part_checksum``: `kvharbor.hal.checksum.checksum` of
+        ``parts[-1]``. The device may store it as it is, so a wrong one makes the value fail
+        its check on every read (a miss), never read as valid."""
+
+
 @dataclass(frozen=True, slots=True)
 class SharedSpan:
     """A stored value's place in memory other processes map: ``offset`` and

@@ -11,7 +11,7 @@ included while it has nothing landed to consume (`_Claims`); the pool's threads 
 many other threads read at once.
 
 A consumer that takes a value in pieces (`kvharbor.hal.base.PieceConsumer`: the cache's
-checksum of 1 MiB segments, `kvharbor.cache.checksum`) is read in its pieces instead, each
+checksum of 1 MiB segments, `kvharbor.hal.checksum`) is read in its pieces instead, each
 taken by the I/O thread that read it while the piece is still in that core's cache: reading
 and hashing then run on every I/O thread at once, where the in-order hash of one caller's
 thread could only run beside them (measured on two cores: ~0.7x of a bare ``read`` in order,

@@ -22,10 +22,10 @@ from gateway_harness import (
     value_for,
 )
 
-from kvharbor.cache.checksum import checksum
 from kvharbor.cache.format import HEADER_BYTES, parse_header
 from kvharbor.config import MIB
 from kvharbor.gateway.client import GatewayClient
+from kvharbor.hal.checksum import checksum
 from kvharbor.hal.extents import PAGE_BYTES
 
 HARNESS_DIR = Path(__file__).resolve().parent

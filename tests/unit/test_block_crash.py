@@ -20,8 +20,8 @@ from kvharbor.hal.block.layout import (
     ObjectHeader,
     ObjectKind,
     Superblock,
-    checksum,
     object_span,
+    whole_value_checksum,
 )
 from kvharbor.hal.block.store import BlockStoreDevice
 from tests.support.block_writer import key_of, value_of
@@ -95,9 +95,9 @@ def test_a_torn_last_object_is_dropped_at_rebuild_and_written_over(tmp_path: Pat
         superblock = Superblock.decode(f.read(BLOCK_BYTES), str(path))
         torn = b"c" * 300_000
         header = bytearray(OBJECT_HEADER_BYTES)
-        ObjectHeader(ObjectKind.VALUE, 1, len(torn), key_of(2), checksum(torn, superblock.seed)).encode_into(
-            memoryview(header), superblock.seed
-        )
+        ObjectHeader(
+            ObjectKind.VALUE, 1, len(torn), key_of(2), whole_value_checksum(torn, 0, superblock.seed)
+        ).encode_into(memoryview(header), superblock.seed)
         f.seek(SUPERBLOCK_BYTES + REGION_HEADER_BYTES + sum(object_span(len(d)) for d in small))
         f.write(bytes(header) + torn[: len(torn) // 2])
     store = open_store(path)

@@ -1,4 +1,4 @@
-"""The payload checksum of 1 MiB segments (`kvharbor.cache.checksum`), and `PayloadChecksum`
+"""The payload checksum of 1 MiB segments (`kvharbor.hal.checksum`), and `PayloadChecksum`
 fed in order or in pieces: every way of taking it gives the one value its definition says."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvharbor.cache.checksum import SEGMENT_BYTES, ChecksumStream, checksum, combine, copy_with_checksum
 from kvharbor.cache.format import HEADER_BYTES, PayloadChecksum, encode, parse_header
 from kvharbor.cache.keys import ChunkKey, LayoutFingerprint
+from kvharbor.hal.checksum import SEGMENT_BYTES, ChecksumStream, checksum, combine, copy_with_checksum
 
 KEY = ChunkKey(bytes(range(16)))
 FINGERPRINT = LayoutFingerprint(model_id="test/checksum", chunk_size=16).digest()

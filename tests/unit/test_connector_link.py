@@ -7,11 +7,11 @@ import threading
 
 import pytest
 
-from kvharbor.cache.checksum import checksum
 from kvharbor.connector.fanout import Fanout
 from kvharbor.connector.link import CacheLink, RankSwitch
 from kvharbor.gateway.client import GatewayRefused
 from kvharbor.gateway.protocol import ErrorCode, LookupOk
+from kvharbor.hal.checksum import checksum
 from tests.support.real_gateway import RealGateway
 
 OFF = "external KV cache turned off on this rank"

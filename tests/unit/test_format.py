@@ -11,7 +11,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvharbor.cache.checksum import checksum
 from kvharbor.cache.format import (
     FRAGMENTS_MAX,
     HEADER_BYTES,
@@ -28,6 +27,7 @@ from kvharbor.cache.format import (
     parse_header,
 )
 from kvharbor.cache.keys import FORMAT_VERSION, LayoutFingerprint, fragment_key
+from kvharbor.hal.checksum import checksum
 
 # Hypothesis' per-example deadline is a timing assert; a loaded CI machine must
 # not fail a property that holds.

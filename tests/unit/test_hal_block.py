@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import random
 import struct
 import subprocess
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from kvharbor.hal.block.direct import AlignedBuffer, open_direct
 from kvharbor.hal.block.layout import (
     BLOCK_BYTES,
     FORMAT_MAGIC,
+    FORMAT_VERSION,
     OBJECT_HEADER_BYTES,
     REGION_HEADER_BYTES,
     SUPERBLOCK_BYTES,
@@ -31,8 +33,11 @@ from kvharbor.hal.block.layout import (
     object_span,
     round_up,
 )
-from kvharbor.hal.block.pipeline import CHUNK_BYTES, FIRST_CHUNK_BYTES, chunk_plan, in_place_run
+from kvharbor.hal.block.pipeline import CHUNK_BYTES, FIRST_CHUNK_BYTES, _Segments, chunk_plan, in_place_run
 from kvharbor.hal.block.store import IN_PLACE_MIN_BYTES, BlockStoreDevice
+from kvharbor.hal.checksum import SEGMENT_BYTES
+from kvharbor.hal.checksum import checksum as body_checksum
+from kvharbor.hal.ram import RamDevice
 
 REGION_BYTES = 256 * 1024
 VALUE_MAX_BYTES = 64 * 1024
@@ -115,15 +120,44 @@ def test_a_file_too_small_is_refused_naming_the_path_and_the_size_needed(store_p
         open_store(store_path)
 
 
-def test_another_format_version_is_refused_naming_it(store_path: Path) -> None:
-    open_store(store_path).close()
-    with open(store_path, "r+b") as f:
+def set_format_version(path: Path, version: int) -> None:
+    """Rewrite block 0 as a store of format ``version`` would have it, with a valid checksum."""
+    with open(path, "r+b") as f:
         body = bytearray(f.read(56))  # magic, version, geometry, store id: then the checksum.
-        struct.pack_into("<I", body, 8, 99)  # The version, with a valid checksum.
+        struct.pack_into("<I", body, 8, version)
         f.seek(0)
         f.write(bytes(body) + struct.pack("<Q", checksum(bytes(body), 0)))
-    with pytest.raises(LayoutError, match=rf"{store_path}: block store format version 99"):
+
+
+def test_a_newer_format_version_is_refused_naming_it(store_path: Path) -> None:
+    store = open_store(store_path)
+    store.put(key(1), [value(1)])
+    store.close()
+    set_format_version(store_path, FORMAT_VERSION + 1)
+    with pytest.raises(LayoutError, match=rf"{store_path}: a newer kvharbor's block store \(format version"):
         open_store(store_path)
+    set_format_version(store_path, FORMAT_VERSION)
+    assert read(open_store(store_path), key(1)) == value(1), "a refused store is left as it was"
+
+
+def test_an_older_format_version_is_formatted_again_and_says_so(
+    store_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = open_store(store_path)
+    store.put(key(1), [value(1)])
+    store.close()
+    set_format_version(store_path, FORMAT_VERSION - 1)
+    with caplog.at_level(logging.WARNING, logger="kvharbor.hal.block"):
+        store = open_store(store_path)
+    try:
+        assert f"{store_path} holds a block store of format version {FORMAT_VERSION - 1}" in caplog.text
+        assert read(store, key(1)) is None and list(store.scan()) == [], "an older release's objects are gone"
+        store.put(key(2), [value(2)])
+        assert read(store, key(2)) == value(2)
+    finally:
+        store.close()
+    with open(store_path, "rb") as f:
+        assert struct.unpack_from("<I", f.read(12), 8)[0] == FORMAT_VERSION
 
 
 def test_a_region_that_cannot_hold_a_value_is_refused_naming_the_setting(store_path: Path) -> None:
@@ -436,3 +470,78 @@ def test_a_cache_index_can_be_rebuilt_from_a_reopened_store(store_path: Path) ->
             assert value is not None and bytes(value) == payload
     finally:
         store.close()
+
+
+def test_a_writers_checksum_of_an_in_place_payload_is_taken_and_a_wrong_one_is_a_miss(tmp_path: Path) -> None:
+    """`put_checksummed`: a payload written from the caller's memory is not hashed again, so
+    the checksum given is the one verified on every read (a wrong one: a counted miss); a value
+    the store copies (contiguous) is hashed by the store whatever it is told."""
+    header, data = os.urandom(100), os.urandom(IN_PLACE_MIN_BYTES + CHUNK_BYTES + 777)
+    total = len(header) + len(data)
+    room = total + BLOCK_BYTES
+    region_bytes = REGION_HEADER_BYTES + object_span(room)
+    payload = AlignedBuffer(round_up(len(data)))
+    payload.view[: len(data)] = data
+    aligned = payload.view[: len(data)]
+    store = BlockStoreDevice(
+        "card", str(tmp_path / "told.blocks"), room, region_bytes=region_bytes, create_bytes=4096 + 4 * region_bytes
+    )
+    try:
+        store.put_checksummed(key(1), [header, aligned], body_checksum(data))
+        store.put_checksummed(key(2), [header, aligned], body_checksum(data) ^ 1)
+        store.put_checksummed(key(3), [header, data], body_checksum(data) ^ 1)  # Contiguous: hashed here.
+        into = memoryview(bytearray(total))
+        assert store.get(key(1), into) == total and bytes(into) == header + data
+        assert store.get(key(2), into) is None
+        assert store.status_counts()["checksum_mismatch"] == 1
+        assert store.get(key(3), into) == total and bytes(into) == header + data
+    finally:
+        store.close()
+        aligned.release()
+        payload.close()
+
+
+def test_a_cache_part_hands_its_payload_checksum_to_a_device_that_takes_it(store_path: Path) -> None:
+    """`EncodedPart.put_on`: the block store stores the checksum the part carries (the writer's,
+    taken in its cache) rather than hashing the payload; the RAM device stores the bytes."""
+    data = os.urandom(IN_PLACE_MIN_BYTES + BLOCK_BYTES)
+    payload = AlignedBuffer(len(data))
+    payload.view[:] = data
+    fingerprint = LayoutFingerprint(model_id="block-test", chunk_size=16).digest()
+    right, wrong = (
+        encode(ChunkKey(key(n)), fingerprint, payload.view, value_checksum=body_checksum(data) ^ flip)[0]
+        for n, flip in ((1, 0), (2, 1))
+    )
+    room = right.nbytes + BLOCK_BYTES
+    region_bytes = REGION_HEADER_BYTES + object_span(room)
+    store = BlockStoreDevice(
+        "card", str(store_path), room, region_bytes=region_bytes, create_bytes=4096 + 3 * region_bytes
+    )
+    ram = RamDevice("ram", 4 * room)
+    try:
+        into = memoryview(bytearray(room))
+        for part in (right, wrong):
+            part.put_on(store)
+            part.put_on(ram)
+        assert store.get(right.device_key, into) == right.nbytes
+        assert store.get(wrong.device_key, into) is None, "the part's own checksum was verified, and failed"
+        assert ram.get(wrong.device_key, into) == wrong.nbytes
+    finally:
+        store.close()  # ``payload`` is unmapped when collected: the parts still view it.
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_segments_landed_in_any_order_give_the_bodys_checksum(seed: int) -> None:
+    rng = random.Random(seed)
+    body = memoryview(os.urandom(3 * SEGMENT_BYTES + rng.randrange(SEGMENT_BYTES)))
+    cuts = sorted({0, body.nbytes, *(rng.randrange(body.nbytes) for _ in range(12))})
+    pieces = list(itertools.pairwise(cuts))
+    rng.shuffle(pieces)
+    segments = _Segments(body)
+    for lo, hi in pieces:
+        with pytest.raises(AssertionError, match="never landed"):
+            segments.checksum()
+        segments.landed(lo, hi)
+    assert segments.checksum() == body_checksum(body)
+    with pytest.raises(AssertionError, match="landed twice"):
+        segments.landed(*pieces[0])

@@ -8,12 +8,12 @@ import os
 import pytest
 
 from kvharbor.cache.breaker import BreakerSettings, BreakerState, CircuitBreaker
-from kvharbor.cache.checksum import COPY_SLICE_BYTES, checksum, copy_with_checksum
 from kvharbor.cache.format import HEADER_BYTES, Codec
 from kvharbor.cache.index import MemoryIndex
 from kvharbor.cache.keys import ChunkKey, LayoutFingerprint
 from kvharbor.cache.store import TieredStore
 from kvharbor.cache.tier import Reservation, Tier
+from kvharbor.hal.checksum import COPY_SLICE_BYTES, checksum, copy_with_checksum
 from kvharbor.hal.extents import PAGE_BYTES
 from kvharbor.hal.ram import RamDevice
 from kvharbor.hal.shm_ram import SharedRamDevice

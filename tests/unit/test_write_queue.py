@@ -20,7 +20,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvharbor.cache.assembly import open_store
 from kvharbor.cache.breaker import BreakerSettings, CircuitBreaker
-from kvharbor.cache.checksum import checksum
 from kvharbor.cache.format import HEADER_BYTES, Codec
 from kvharbor.cache.index import MemoryIndex
 from kvharbor.cache.keys import ChunkKey, LayoutFingerprint
@@ -29,6 +28,7 @@ from kvharbor.cache.tier import Tier
 from kvharbor.cache.writequeue import WriteQueueSettings
 from kvharbor.config import ConfigError, validate_config
 from kvharbor.hal.base import Buffer
+from kvharbor.hal.checksum import checksum
 from kvharbor.hal.ram import RamDevice
 from kvharbor.telemetry.metrics import CodecStats, GatewayMetrics
 

@@ -46,7 +46,6 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from kvharbor.cache.checksum import copy_with_checksum
 from kvharbor.cache.keys import ChunkKey, namespace_tag
 from kvharbor.config import Config, ConfigError
 from kvharbor.connector.extra_config import config_from_extra
@@ -55,6 +54,7 @@ from kvharbor.connector.link import CacheLink
 from kvharbor.connector.sglang.keys import BackendRefusal, SglangLayout, build_layout, client_name
 from kvharbor.connector.sglang.pages import HostPages, Span
 from kvharbor.gateway import embedded
+from kvharbor.hal.checksum import copy_with_checksum
 from kvharbor.telemetry.log import PREFIX, OnceLog, attach_to_engine_log, get_logger
 
 _log = get_logger("kvharbor.connector.sglang")

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvharbor.cache.checksum import COPY_SLICE_BYTES, ChecksumStream
 from kvharbor.connector.sglang.keys import BackendRefusal
+from kvharbor.hal.checksum import COPY_SLICE_BYTES, ChecksumStream
 
 SUPPORTED_POOLS = frozenset({"MHATokenToKVPoolHost"})
 """Host pools whose ``get_page_buffer_meta`` gives (K, V) span pairs (checked in tests)."""
@@ -101,7 +101,7 @@ class HostPages:
 
     def read(self, spans: Sequence[Span], into: memoryview) -> int:
         """Copy one page out of the pool into ``into`` (`page_bytes` long); returns the
-        `kvharbor.cache.checksum.checksum` of the page, hashing each slice just copied while
+        `kvharbor.hal.checksum.checksum` of the page, hashing each slice just copied while
         it is still in the CPU cache (as `copy_with_checksum` does): one pass over memory.
 
         Copies and hashes let go of the GIL: pages read on several threads at once

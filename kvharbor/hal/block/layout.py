@@ -15,9 +15,14 @@ store opens another region with a higher sequence. An object belongs to its
 region's current generation only if its header names that sequence; bytes of an
 older generation left after the tail are never taken for objects.
 
-Every checksum is xxh3-64 seeded with a value derived from the store id, so a
-region or object left by an earlier format of the same file (or another store's
-image copied in) fails its checksum instead of being read as ours.
+Every header checksum is xxh3-64 seeded with a value derived from the store id,
+so a region or object left by an earlier format of the same file (or another
+store's image copied in) fails its checksum instead of being read as ours. An
+object's value checksum (`value_checksum`) covers its head and its body apart:
+the body's 1 MiB segments (`kvharbor.hal.checksum`) are hashed by whichever
+thread read or wrote them, in any order, and a writer that took that checksum
+of the body already (a payload in shared memory) hands it over instead of the
+store hashing the body again.
 """
 
 from __future__ import annotations
@@ -28,12 +33,18 @@ from dataclasses import dataclass
 
 import xxhash
 
+from kvharbor.hal.checksum import checksum as body_checksum
+
 BLOCK_BYTES = 4096
 """I/O and alignment unit: every read and write is whole blocks from a block-aligned buffer (O_DIRECT)."""
 SUPERBLOCK_BYTES = BLOCK_BYTES
 REGION_HEADER_BYTES = BLOCK_BYTES
 FORMAT_MAGIC = b"KVHBLOCK"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2 (2026-12-06): the value checksum over head and body apart (`value_checksum`). 1 was one
+xxh3 over the value, a serial pass that a read could take only in chunk order, after the
+chunks had landed. A store of an older version is formatted again at open (its objects are
+a cache's, which this release cannot verify); a newer one is refused."""
 REGION_MAGIC = b"KVHREGN1"
 OBJECT_MAGIC = b"KVHO"
 MIN_REGIONS = 2
@@ -53,6 +64,16 @@ KEY_BYTES = 16
 
 class LayoutError(ValueError):
     """The bytes at the start of the device are not a block store this code can open."""
+
+
+class OlderFormat(LayoutError):
+    """Block 0 holds a kvharbor block store of an older format version."""
+
+    def __init__(self, version: int, device_bytes: int) -> None:
+        super().__init__(f"block store format version {version}, older than {FORMAT_VERSION}")
+        self.version = version
+        self.device_bytes = device_bytes
+        """The size it was formatted for: a new format over it must not claim more."""
 
 
 class ObjectKind(enum.IntEnum):
@@ -109,6 +130,15 @@ class ValueLayout:
         return [(a, b) for a, b in ranges if b > a]
 
     @property
+    def halves(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The value's head and body, as ``[lo, hi)`` in the object, that `value_checksum`
+        covers apart: a split value's head is its first ``head_bytes``, a contiguous value's
+        head is empty (at the value's start) and its body all of it."""
+        head_end = OBJECT_HEADER_BYTES + self.head_bytes
+        body_at = self.body_at or head_end
+        return (OBJECT_HEADER_BYTES, head_end), (body_at, body_at + self.value_bytes - self.head_bytes)
+
+    @property
     def span(self) -> int:
         """Bytes the object takes in its region (header and padding included)."""
         if not self.body_at:
@@ -118,6 +148,25 @@ class ValueLayout:
 
 def checksum(data: bytes | memoryview, seed: int) -> int:
     return xxhash.xxh3_64_intdigest(data, seed)
+
+
+_HALVES = struct.Struct("<QQ")
+
+
+def value_checksum(head_digest: int, body_digest: int, seed: int) -> int:
+    """The checksum of a value from its two halves' (`ValueLayout.halves`)::
+
+    head_digest = xxh3_64(head, seed)
+    body_digest = kvharbor.hal.checksum.checksum(body)     (1 MiB segments)
+    value_checksum = xxh3_64(le_u64(head_digest) || le_u64(body_digest), seed)
+    """
+    return checksum(_HALVES.pack(head_digest, body_digest), seed)
+
+
+def whole_value_checksum(value: bytes | memoryview, head_bytes: int, seed: int) -> int:
+    """`value_checksum` of ``value`` in one call: for tests and tools, not the data path."""
+    view = memoryview(value)
+    return value_checksum(checksum(view[:head_bytes], seed), body_checksum(view[head_bytes:]), seed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,9 +213,12 @@ class Superblock:
         (stored,) = _CHECKSUM.unpack(raw[_SUPERBLOCK.size :])
         if stored != checksum(raw[: _SUPERBLOCK.size], 0):
             raise LayoutError(f"{where}: the block store's superblock is damaged (checksum mismatch)")
+        if version < FORMAT_VERSION:
+            raise OlderFormat(version, device_bytes)
         if version != FORMAT_VERSION:
             raise LayoutError(
-                f"{where}: block store format version {version}, this kvharbor reads version {FORMAT_VERSION}"
+                f"{where}: a newer kvharbor's block store (format version {version}; this release reads "
+                f"version {FORMAT_VERSION}); use that release, or give block mode another file or device"
             )
         if block_bytes != BLOCK_BYTES or region_bytes % BLOCK_BYTES or region_count < MIN_REGIONS:
             raise LayoutError(f"{where}: the block store's superblock has an impossible geometry")

@@ -50,6 +50,7 @@ from kvharbor.hal.base import (
     CardDevice,
     CardEventRecord,
     CardStatus,
+    ChecksummedPuts,
     Device,
     DeviceEvent,
     DeviceEventKind,
@@ -67,6 +68,7 @@ from kvharbor.hal.base import (
 from kvharbor.hal.block.direct import AlignedBuffer, BufferPool, Opened, block_aligned, open_direct, pwrite_full
 from kvharbor.hal.block.layout import (
     BLOCK_BYTES,
+    FORMAT_VERSION,
     KEY_BYTES,
     MIN_REGIONS,
     OBJECT_HEADER_BYTES,
@@ -75,6 +77,7 @@ from kvharbor.hal.block.layout import (
     LayoutError,
     ObjectHeader,
     ObjectKind,
+    OlderFormat,
     RegionHeader,
     Superblock,
     ValueLayout,
@@ -137,7 +140,7 @@ class _Place:
         return self.layout.value_bytes
 
 
-class BlockStoreDevice(Device, CardDevice, EventSource, SelfDescribingDevice):
+class BlockStoreDevice(Device, ChecksummedPuts, CardDevice, EventSource, SelfDescribingDevice):
     def __init__(
         self,
         name: str,
@@ -220,6 +223,12 @@ class BlockStoreDevice(Device, CardDevice, EventSource, SelfDescribingDevice):
     def put(self, key: bytes, parts: Sequence[Buffer]) -> None:
         total = self.check_value_size(parts)
         self._append(ObjectKind.VALUE, key, [memoryview(p).cast("B") for p in parts], total)
+
+    def put_checksummed(self, key: bytes, parts: Sequence[Buffer], last_part_checksum: int) -> None:
+        """A value whose last part is written from the caller's memory (see `_layout`) takes
+        ``last_part_checksum`` as its body's; otherwise the value is hashed as by `put`."""
+        total = self.check_value_size(parts)
+        self._append(ObjectKind.VALUE, key, [memoryview(p).cast("B") for p in parts], total, last_part_checksum)
 
     def get(self, key: bytes, into: memoryview) -> int | None:
         found = self._read_verified(key, _bytes_view(into), copy=True)
@@ -406,7 +415,14 @@ class BlockStoreDevice(Device, CardDevice, EventSource, SelfDescribingDevice):
 
     # -- appends -----------------------------------------------------------------
 
-    def _append(self, kind: ObjectKind, key: bytes, parts: Sequence[memoryview], total: int) -> None:
+    def _append(
+        self,
+        kind: ObjectKind,
+        key: bytes,
+        parts: Sequence[memoryview],
+        total: int,
+        last_part_checksum: int | None = None,
+    ) -> None:
         if len(key) != KEY_BYTES:
             raise ValueError(f"{self.name}: keys are {KEY_BYTES} bytes, got {len(key)}")
         layout = self._layout(parts, total)
@@ -427,7 +443,7 @@ class BlockStoreDevice(Device, CardDevice, EventSource, SelfDescribingDevice):
                 # start: it needs the value's checksum, and a header on the device then never
                 # precedes the value it describes (only fdatasync orders them for a power cut).
                 head, value_checksum = write_object(
-                    self._io, self._fd, staging, offset, start, layout, parts, self.store.seed
+                    self._io, self._fd, staging, offset, start, layout, parts, self.store.seed, last_part_checksum
                 )
                 header = ObjectHeader(kind, seq, total, bytes(key), value_checksum, layout.head_bytes, layout.body_at)
                 header.encode_into(head[start:], self.store.seed)
@@ -561,7 +577,7 @@ class BlockStoreDevice(Device, CardDevice, EventSource, SelfDescribingDevice):
                 self._fd,
                 view,
                 place.offset,
-                place.layout.ranges(),
+                place.layout,
                 self.store.seed,
                 copy_to,
                 self._opened.memory_align_bytes,
@@ -581,7 +597,8 @@ class BlockStoreDevice(Device, CardDevice, EventSource, SelfDescribingDevice):
     # -- opening -----------------------------------------------------------------
 
     def _superblock(self, region_bytes: int) -> Superblock:
-        """Block 0 parsed, or a new store formatted where it is all zeros."""
+        """Block 0 parsed, or a new store formatted where it is all zeros or holds an older
+        format version."""
         block = AlignedBuffer(BLOCK_BYTES)
         try:
             got = read_into(self._fd, block.view, 0)
@@ -590,13 +607,31 @@ class BlockStoreDevice(Device, CardDevice, EventSource, SelfDescribingDevice):
             block.close()
         size = self._opened.size_bytes
         if got == BLOCK_BYTES and any(first):
-            store = Superblock.decode(first, self.path)
+            try:
+                store = Superblock.decode(first, self.path)
+            except OlderFormat as older:
+                # An earlier release's cache: its objects cannot be verified by this one, and
+                # keeping the file unusable until someone wipes it helps nobody.
+                _log.warning(
+                    "%stier '%s': %s holds a block store of format version %d (an earlier kvharbor); "
+                    "formatting it again for version %d: its objects are gone",
+                    PREFIX,
+                    self.name,
+                    self.path,
+                    older.version,
+                    FORMAT_VERSION,
+                )
+                return self._format(region_bytes, min(size, older.device_bytes))
             if store.device_bytes > size:
                 raise LayoutError(
                     f"{self.path}: the block store was formatted for {store.device_bytes} bytes, "
                     f"the device has {size} (truncated?)"
                 )
             return store
+        return self._format(region_bytes, size)
+
+    def _format(self, region_bytes: int, size: int) -> Superblock:
+        """A new, empty store of ``size`` bytes written to block 0."""
         needed = SUPERBLOCK_BYTES + MIN_REGIONS * region_bytes
         if size < needed:
             raise LayoutError(

@@ -1,6 +1,9 @@
-"""The payload checksum: xxh3-64 of the xxh3-64 digests of a value's 1 MiB segments.
+"""kvharbor's checksum of bytes: xxh3-64 of the xxh3-64 digests of their 1 MiB segments.
 
-Definition (object format 3, `kvharbor.cache.keys.FORMAT_VERSION`), with S = `SEGMENT_BYTES`::
+It is a cached object's payload checksum (object format 3, `kvharbor.cache.keys.FORMAT_VERSION`,
+`kvharbor.cache.format`) and the checksum of a block-store object's body (block format 2,
+`kvharbor.hal.block.layout.value_checksum`), so a payload's writer takes it once and every
+layer below stores it as it is. Definition, with S = `SEGMENT_BYTES`::
 
     d_i = xxh3_64(data[i*S : (i+1)*S])          for i in 0 .. ceil(len(data) / S) - 1
     checksum(data) = xxh3_64(le_u64(d_0) || le_u64(d_1) || ...)
@@ -12,7 +15,8 @@ reader hashes the whole value in one thread, beside or after its copy; on two co
 tier's warm get then ran at ~0.7x of a bare ``read``. Segment digests can be taken by
 whichever thread holds a segment, in any order, while the segment is still in that core's
 cache: a file tier's I/O threads hash the pieces they have just read
-(`kvharbor.hal.file_reads`); a writer hashes each slice it has just copied
+(`kvharbor.hal.file_reads`), the block store's those of its chunks
+(`kvharbor.hal.block.pipeline`); a writer hashes each slice it has just copied
 (`copy_with_checksum`). Combining costs one hash of 8 bytes per MiB. What it guards against
 is unchanged: damage (torn writes, bit rot, truncation, a segment moved), not an adversary.
 
