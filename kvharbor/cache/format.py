@@ -184,7 +184,8 @@ class PayloadChecksum:
       whole object; the header's bytes are skipped, every later byte hashed;
     - in pieces (a `kvharbor.hal.base.PieceConsumer`): `take` is given the header piece
       ``[0, piece_base)`` and each payload segment ``[piece_base + k * piece_bytes, ...)``
-      (the last one clipped to the object's end), in any order, from any thread.
+      (the last one clipped to the object's end), in any order, from any thread; or a
+      segment's digest, where the device hashed it already (`take_digest`).
 
     One object is fed one way. `intdigest` is the payload's checksum once the object's length
     is verified (`verify_part` checks it before it compares checksums).
@@ -214,10 +215,19 @@ class PayloadChecksum:
         """One piece of the object, ``data``, that starts at ``offset`` in it (see the class)."""
         if offset == 0 and data.nbytes <= HEADER_BYTES:
             return  # The header: verified on its own.
+        self._pieces[self._segment(offset, data.nbytes)] = segment_digest(data)  # Atomic under the GIL.
+
+    def take_digest(self, offset: int, nbytes: int, digest: int) -> None:
+        """A payload segment the device hashed already (`kvharbor.hal.base.PieceConsumer`)."""
+        self._pieces[self._segment(offset, nbytes)] = digest
+
+    def _segment(self, offset: int, nbytes: int) -> int:
+        """The index of the payload segment of ``nbytes`` at ``offset``; raises ValueError if
+        it is not one."""
         index, within = divmod(offset - HEADER_BYTES, SEGMENT_BYTES)
-        if offset < HEADER_BYTES or within or not 0 < data.nbytes <= SEGMENT_BYTES or self._skip < HEADER_BYTES:
-            raise ValueError(f"a piece of {data.nbytes} bytes at {offset} is not one of the object's pieces")
-        self._pieces[index] = segment_digest(data)  # One dict store: atomic under the GIL.
+        if offset < HEADER_BYTES or within or not 0 < nbytes <= SEGMENT_BYTES or self._skip < HEADER_BYTES:
+            raise ValueError(f"a piece of {nbytes} bytes at {offset} is not one of the object's pieces")
+        return index
 
     def intdigest(self) -> int:
         if not self._pieces:

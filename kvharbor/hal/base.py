@@ -39,8 +39,9 @@ class PieceConsumer(Protocol):
 
     The pieces of a value of n bytes: ``[0, piece_base)``, then ``[piece_base + k *
     piece_bytes, piece_base + (k + 1) * piece_bytes)`` for k = 0, 1, ..., each clipped to n.
-    A driver may hand every piece to `take` once instead of the slices to the call, never
-    some of each, and all before `Device.get_streamed` returns.
+    A driver may hand every piece once (to `take`, or to `take_digest` with its digest)
+    instead of the slices to the call, never some of each, and all before
+    `Device.get_streamed` returns.
     """
 
     piece_base: int
@@ -50,6 +51,12 @@ class PieceConsumer(Protocol):
 
     def take(self, offset: int, data: memoryview) -> None:
         """``data`` is the piece of the value that starts at byte ``offset``."""
+
+    def take_digest(self, offset: int, nbytes: int, digest: int) -> None:
+        """The piece of ``nbytes`` that starts at byte ``offset`` was hashed by the driver
+        already: ``digest`` is its `kvharbor.hal.checksum.segment_digest` (a driver whose own
+        checksum takes the value in the same pieces hands that over instead of the bytes to
+        hash again). A piece is given by `take` or by this, once."""
 
 
 STREAM_SLICE_BYTES = 256 * 1024

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvharbor.cache.format import Codec, decode, encode
+from kvharbor.cache.format import HEADER_BYTES, Codec, PayloadChecksum, decode, encode
 from kvharbor.cache.keys import ChunkKey, LayoutFingerprint
 from kvharbor.cache.recovery import recover_entries
 from kvharbor.hal.base import DeviceEventKind, DeviceFull, DeviceUnavailable, HealthState
@@ -35,7 +35,7 @@ from kvharbor.hal.block.layout import (
 )
 from kvharbor.hal.block.pipeline import CHUNK_BYTES, FIRST_CHUNK_BYTES, _Segments, chunk_plan, in_place_run
 from kvharbor.hal.block.store import IN_PLACE_MIN_BYTES, BlockStoreDevice
-from kvharbor.hal.checksum import SEGMENT_BYTES
+from kvharbor.hal.checksum import SEGMENT_BYTES, combine, segment_digest
 from kvharbor.hal.checksum import checksum as body_checksum
 from kvharbor.hal.ram import RamDevice
 
@@ -540,8 +540,75 @@ def test_segments_landed_in_any_order_give_the_bodys_checksum(seed: int) -> None
     segments = _Segments(body)
     for lo, hi in pieces:
         with pytest.raises(AssertionError, match="never landed"):
-            segments.checksum()
+            segments.digests()
         segments.landed(lo, hi)
-    assert segments.checksum() == body_checksum(body)
+    assert combine(segments.digests()) == body_checksum(body)
     with pytest.raises(AssertionError, match="landed twice"):
         segments.landed(*pieces[0])
+
+
+class Recorded:
+    """A `PieceConsumer` of a cache object's pieces that records how each came."""
+
+    piece_base = HEADER_BYTES
+    piece_bytes = SEGMENT_BYTES
+
+    def __init__(self) -> None:
+        self.pieces: dict[int, bytes] = {}
+        self.digests: dict[int, tuple[int, int]] = {}
+        self.slices: list[bytes] = []
+
+    def __call__(self, data: memoryview) -> None:
+        self.slices.append(bytes(data))
+
+    def take(self, offset: int, data: memoryview) -> None:
+        self.pieces[offset] = bytes(data)
+
+    def take_digest(self, offset: int, nbytes: int, digest: int) -> None:
+        self.digests[offset] = (nbytes, digest)
+
+
+def test_a_streamed_get_hands_a_cache_payloads_segment_digests_and_never_a_damaged_value(tmp_path: Path) -> None:
+    """The tier's read of a card object: the store verified the payload's segments as it read
+    them, so it hands their digests (the cache's payload checksum comes out right without a
+    second hash); a contiguous object, whose segments are not the cache's, is handed in order;
+    a damaged one is handed nothing."""
+    header, data = os.urandom(HEADER_BYTES), os.urandom(IN_PLACE_MIN_BYTES + 2 * SEGMENT_BYTES + 777)
+    total = len(header) + len(data)
+    room = total + BLOCK_BYTES
+    region_bytes = REGION_HEADER_BYTES + object_span(room)
+    payload = AlignedBuffer(round_up(len(data)))
+    payload.view[: len(data)] = data
+    aligned = payload.view[: len(data)]
+    path = tmp_path / "streamed.blocks"
+    store = BlockStoreDevice("card", str(path), room, region_bytes=region_bytes, create_bytes=4096 + 4 * region_bytes)
+    try:
+        store.put(key(1), [header, aligned])  # Split: the payload is the body.
+        store.put(key(2), [header, data])  # Contiguous.
+        into = memoryview(bytearray(total))
+        split = Recorded()
+        assert store.get_streamed(key(1), into, split) == total and bytes(into) == header + data
+        assert split.pieces == {0: header} and not split.slices
+        segments = range(0, len(data), SEGMENT_BYTES)
+        assert split.digests == {
+            HEADER_BYTES + at: (len(data[at : at + SEGMENT_BYTES]), segment_digest(data[at : at + SEGMENT_BYTES]))
+            for at in segments
+        }
+        payload_checksum = PayloadChecksum()
+        assert store.get_streamed(key(1), into, payload_checksum) == total
+        assert payload_checksum.intdigest() == body_checksum(data)
+        contiguous = Recorded()
+        assert store.get_streamed(key(2), into, contiguous) == total
+        assert b"".join(contiguous.slices) == header + data and not contiguous.pieces and not contiguous.digests
+        with open(path, "r+b") as f:  # One byte of key 1's payload, on the device.
+            f.seek(SUPERBLOCK_BYTES + REGION_HEADER_BYTES + BLOCK_BYTES + 5)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        damaged = Recorded()
+        assert store.get_streamed(key(1), into, damaged) is None
+        assert not (damaged.pieces or damaged.digests or damaged.slices)
+    finally:
+        store.close()
+        aligned.release()
+        payload.close()

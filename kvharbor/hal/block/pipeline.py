@@ -49,6 +49,7 @@ import itertools
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import xxhash
@@ -213,11 +214,22 @@ class _Segments:
         for k in whole:
             self._digests[k] = segment_digest(self._body[k * SEGMENT_BYTES : (k + 1) * SEGMENT_BYTES])
 
-    def checksum(self) -> int:
-        """`kvharbor.hal.checksum.checksum` of the body; call once every byte landed."""
+    def digests(self) -> list[int]:
+        """Each segment's `segment_digest`, in order; call once every byte landed."""
         if any(self._left):
             raise AssertionError(f"{sum(self._left)} body bytes never landed")
-        return combine(self._digests)
+        return list(self._digests)
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectRead:
+    """What `read_object` hashed of the object it read."""
+
+    checksum: int
+    """The value's (`value_checksum`), to compare with its header's."""
+    body_digests: list[int]
+    """The body's 1 MiB segments' `segment_digest`, in order: a consumer that checksums the
+    body in the same segments takes them instead of hashing the bytes again."""
 
 
 def _placed(ranges: Sequence[tuple[int, int]]) -> list[tuple[tuple[int, int], int]]:
@@ -246,11 +258,11 @@ def read_object(
     seed: int,
     copy_to: memoryview | None,
     memory_align_bytes: int = BLOCK_BYTES,
-) -> int | None:
+) -> ObjectRead | None:
     """Read the object of ``layout`` (``into.nbytes``, whole blocks) at ``offset``, all its
     chunks queued at once, each hashed (and, with ``copy_to``, handed out) by the thread that
-    read it. Returns the value's checksum (`value_checksum` with ``seed``), or None when the
-    device ended early.
+    read it. Returns what was hashed (the value's checksum is `value_checksum` with
+    ``seed``), or None when the device ended early.
 
     Where ``copy_to`` lies so that most of the value's blocks land at addresses aligned as the
     fd's I/O needs (``memory_align_bytes``, `Opened.memory_align_bytes`), those blocks are read
@@ -299,4 +311,5 @@ def read_object(
     _finish(futures)  # Every chunk finishes before ``into`` (or ``copy_to``) is reused.
     if not all(f.result() for f in futures):
         return None
-    return value_checksum(checksum(head, seed), segments.checksum(), seed)
+    digests = segments.digests()
+    return ObjectRead(value_checksum(checksum(head, seed), combine(digests), seed), digests)

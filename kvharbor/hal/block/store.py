@@ -60,10 +60,10 @@ from kvharbor.hal.base import (
     EventSource,
     Health,
     HealthState,
+    PieceConsumer,
     SelfDescribingDevice,
     SliceConsumer,
     Usage,
-    copy_streamed,
 )
 from kvharbor.hal.block.direct import AlignedBuffer, BufferPool, Opened, block_aligned, open_direct, pwrite_full
 from kvharbor.hal.block.layout import (
@@ -84,7 +84,8 @@ from kvharbor.hal.block.layout import (
     object_span,
     round_up,
 )
-from kvharbor.hal.block.pipeline import read_object, write_object
+from kvharbor.hal.block.pipeline import ObjectRead, read_object, write_object
+from kvharbor.hal.checksum import SEGMENT_BYTES
 from kvharbor.hal.posix import device_error, read_into
 from kvharbor.hal.sim.events import CardEventCode, CardEventLog
 from kvharbor.telemetry.log import PREFIX, OnceLog, get_logger
@@ -231,30 +232,33 @@ class BlockStoreDevice(Device, ChecksummedPuts, CardDevice, EventSource, SelfDes
         self._append(ObjectKind.VALUE, key, [memoryview(p).cast("B") for p in parts], total, last_part_checksum)
 
     def get(self, key: bytes, into: memoryview) -> int | None:
-        found = self._read_verified(key, _bytes_view(into), copy=True)
-        if found is None:
-            return None
-        buffer, layout = found
-        self._reads.give(buffer)
-        return layout.value_bytes
+        found = self._read_verified(key, _bytes_view(into))
+        return None if found is None else found[0].value_bytes
 
     def get_streamed(
         self, key: bytes, into: memoryview, consume: SliceConsumer, slice_bytes: int = STREAM_SLICE_BYTES
     ) -> int | None:
-        """The object is read and verified whole first: a slice handed out is never one
-        of a value that then fails its checksum."""
+        """The value is read into ``into`` and verified whole before ``consume`` sees any of
+        it: a slice handed out is never one of a value that then fails its checksum. A
+        `PieceConsumer` whose pieces are the value's body segments (the head is its first
+        piece: a cache object put as header and payload) is handed the digests the read took
+        (`PieceConsumer.take_digest`) instead of the bytes to hash again."""
         view = _bytes_view(into)
         found = self._read_verified(key, view)
         if found is None:
             return None
-        buffer, layout = found
-        try:
-            done = 0
-            for a, b in layout.ranges():
-                done += copy_streamed(buffer.view[a:b], view[done:], consume, slice_bytes)
-            return done
-        finally:
-            self._reads.give(buffer)
+        layout, read = found
+        value = view[: layout.value_bytes]
+        if isinstance(consume, PieceConsumer) and _pieces_are_segments(consume, layout):
+            if layout.head_bytes:
+                consume.take(0, value[: layout.head_bytes])
+            for k, digest in enumerate(read.body_digests):
+                at = layout.head_bytes + k * SEGMENT_BYTES
+                consume.take_digest(at, min(SEGMENT_BYTES, layout.value_bytes - at), digest)
+        else:
+            for start in range(0, value.nbytes, slice_bytes):
+                consume(value[start : start + slice_bytes])
+        return layout.value_bytes
 
     def peek(self, key: bytes, into: memoryview) -> int | None:
         """Reads only the blocks the prefix lies in, so that rebuilding a cache index from
@@ -526,15 +530,10 @@ class BlockStoreDevice(Device, ChecksummedPuts, CardDevice, EventSource, SelfDes
 
     # -- reads -------------------------------------------------------------------
 
-    def _read_verified(
-        self, key: bytes, room: memoryview | None, copy: bool = False
-    ) -> tuple[AlignedBuffer, ValueLayout] | None:
-        """The object of ``key`` read whole into a pooled buffer and verified, with where its
-        value lies there; None on a miss. The caller gives the buffer back. Raises `BufferTooSmall`
-        when the value exceeds ``room`` (None: no limit); with ``copy`` the value is also
-        copied into ``room`` on the way (whose bytes are then undefined on a miss)."""
-        room_bytes = None if room is None else room.nbytes
-        copy_to = room if copy else None
+    def _read_verified(self, key: bytes, room: memoryview) -> tuple[ValueLayout, ObjectRead] | None:
+        """The value of ``key`` read into ``room`` (whose bytes are undefined on a miss) and
+        verified, with its layout and what the read hashed; None on a miss. Raises
+        `BufferTooSmall` when the value exceeds ``room``."""
         for _ in range(READ_ATTEMPTS):
             with self._lock:
                 place = self._index.get(key)
@@ -542,17 +541,15 @@ class BlockStoreDevice(Device, ChecksummedPuts, CardDevice, EventSource, SelfDes
                 with self._lock:
                     self._counts["miss"] += 1
                 return None
-            if room_bytes is not None and place.value_bytes > room_bytes:
-                raise BufferTooSmall(self.name, place.value_bytes, room_bytes)
+            if place.value_bytes > room.nbytes:
+                raise BufferTooSmall(self.name, place.value_bytes, room.nbytes)
             buffer = self._reads.take()
             try:
-                valid = self._read_object(key, place, buffer, copy_to)
-            except BaseException:
+                read = self._read_object(key, place, buffer, room)
+            finally:
                 self._reads.give(buffer)
-                raise
-            if valid:
-                return buffer, place.layout
-            self._reads.give(buffer)
+            if read is not None:
+                return place.layout, read
             with self._lock:
                 if self._index.get(key) != place:
                     continue  # Replaced or evicted while it was read: look again.
@@ -567,12 +564,15 @@ class BlockStoreDevice(Device, ChecksummedPuts, CardDevice, EventSource, SelfDes
             return None
         return None
 
-    def _read_object(self, key: bytes, place: _Place, buffer: AlignedBuffer, copy_to: memoryview | None) -> bool:
+    def _read_object(
+        self, key: bytes, place: _Place, buffer: AlignedBuffer, copy_to: memoryview | None
+    ) -> ObjectRead | None:
         """Read the object at ``place`` into ``buffer`` (its value also into ``copy_to``, as it
-        is hashed) and verify it: header, key, length, generation and value checksum."""
+        is hashed) and verify it: header, key, length, generation and value checksum. None
+        where any of them does not match."""
         view = buffer.view[: place.layout.span]
         try:
-            value_checksum = read_object(
+            read = read_object(
                 self._io,
                 self._fd,
                 view,
@@ -585,14 +585,15 @@ class BlockStoreDevice(Device, ChecksummedPuts, CardDevice, EventSource, SelfDes
         except OSError as err:
             raise device_error(self.name, err, f"read {self.path}") from err
         header = ObjectHeader.decode(view, self.store.seed, place.region_seq)
-        return (
-            value_checksum is not None
+        valid = (
+            read is not None
             and header is not None
             and header.kind is ObjectKind.VALUE
             and header.key == key
             and header.layout == place.layout
-            and header.value_checksum == value_checksum
+            and header.value_checksum == read.checksum
         )
+        return read if valid else None
 
     # -- opening -----------------------------------------------------------------
 
@@ -721,7 +722,7 @@ class BlockStoreDevice(Device, ChecksummedPuts, CardDevice, EventSource, SelfDes
         key = next(k for k in state.keys if self._index[k] == last)
         buffer = self._reads.take()
         try:
-            intact = self._read_object(key, last, buffer, None)
+            intact = self._read_object(key, last, buffer, None) is not None
         finally:
             self._reads.give(buffer)
         if not intact:
@@ -774,6 +775,12 @@ def _open_exclusive(name: str, path: str, create_bytes: int | None, exclusive: b
             raise DeviceInUse(name, f"{path} is in use by another process") from err
         raise device_error(name, err, f"lock {path}") from err
     return opened
+
+
+def _pieces_are_segments(consume: PieceConsumer, layout: ValueLayout) -> bool:
+    """Whether ``consume``'s pieces are the value's head, then its body's 1 MiB segments (the
+    halves `value_checksum` covers), so that the read's digests are theirs."""
+    return consume.piece_base == layout.head_bytes and consume.piece_bytes == SEGMENT_BYTES
 
 
 def _bytes_view(into: memoryview) -> memoryview:
