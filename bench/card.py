@@ -23,7 +23,9 @@ checksum its writer took (`BlockStoreDevice.put_checksummed`, as
 `EncodedPart.put_on` calls it); ``store_put_hashed`` is the same put without it,
 the store hashing the payload itself. A get gives the value back the same way,
 its payload on a page edge after the header (``store_get``), and into a buffer at
-no particular address (a ``bytearray``: ``store_get_copied``). The store's extra
+no particular address (a ``bytearray``: ``store_get_copied``); ``store_get_streamed``
+is the cache tier's read, which also takes the payload's checksum (`PayloadChecksum`,
+handed the segment digests the store's read took). The store's extra
 work per value: on a write the header block's copy and hash (the payload goes to
 the device from the caller's memory; only its last partial block is copied),
 and the payload's hash in ``store_put_hashed``; on a read the checksum, each
@@ -52,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import emit, interleaved_seconds, paired_median_ratio
 
-from kvharbor.cache.format import HEADER_BYTES
+from kvharbor.cache.format import HEADER_BYTES, PayloadChecksum
 from kvharbor.hal.block.direct import AlignedBuffer, open_direct, pwrite_full
 from kvharbor.hal.block.layout import BLOCK_BYTES
 from kvharbor.hal.block.store import BlockStoreDevice
@@ -159,7 +161,7 @@ def block_store_seconds(directory: str) -> dict[str, list[float]]:
     # The store: room for four passes, so that FIFO eviction runs in steady state as on a full card.
     store = BlockStoreDevice("card", store_path, BLOCK_VALUE_BYTES)
     # A put as the cache tier makes one from shared memory: its header, then the payload where it lies.
-    parts = [bytes(aligned.view[:HEADER_BYTES]), aligned.view[: BLOCK_VALUE_BYTES - HEADER_BYTES]]
+    parts = [memoryview(bytes(aligned.view[:HEADER_BYTES])), aligned.view[: BLOCK_VALUE_BYTES - HEADER_BYTES]]
     writers_checksum = checksum(parts[-1])  # Taken by the writer as it filled the payload.
     # A get's payload lands on a page edge after its header, as a put takes it (`BLOCK_BYTES` apart).
     landing = AlignedBuffer(BLOCK_BYTES + BLOCK_VALUE_BYTES)
@@ -187,6 +189,12 @@ def block_store_seconds(directory: str) -> dict[str, list[float]]:
 
         return get
 
+    def store_get_streamed(n: int) -> None:
+        payload_checksum = PayloadChecksum()
+        got = store.get_streamed(keys[n], into, payload_checksum)
+        if got != BLOCK_VALUE_BYTES or payload_checksum.intdigest() != writers_checksum:
+            raise RuntimeError("the block store's streamed get gave another payload checksum")
+
     def each_value(op: Callable[[int], None]) -> Callable[[], None]:
         """One timed pass: ``op`` on each of the `BLOCK_VALUES` values in turn."""
 
@@ -203,6 +211,7 @@ def block_store_seconds(directory: str) -> dict[str, list[float]]:
         "raw_read": raw_read,
         "store_get": store_get(into),
         "store_get_copied": store_get(copied_into),
+        "store_get_streamed": store_get_streamed,
     }
     try:
         each_value(passes["store_put"])()
@@ -260,6 +269,7 @@ def main() -> None:
         "blockstore_write_hashed_vs_raw": seconds["raw_write"] / seconds["store_put_hashed"],
         "blockstore_read_vs_raw": seconds["raw_read"] / seconds["store_get"],
         "blockstore_read_copied_vs_raw": seconds["raw_read"] / seconds["store_get_copied"],
+        "blockstore_read_streamed_vs_raw": seconds["raw_read"] / seconds["store_get_streamed"],
         "blockstore_write_vs_raw_median": paired_median_ratio(rounds["raw_write"], rounds["store_put"]),
         "blockstore_read_vs_raw_median": paired_median_ratio(rounds["raw_read"], rounds["store_get"]),
     }
