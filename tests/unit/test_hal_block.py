@@ -4,6 +4,7 @@ is in test_hal_contract.py; crashes in test_block_crash.py."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -472,21 +473,33 @@ def test_a_cache_index_can_be_rebuilt_from_a_reopened_store(store_path: Path) ->
         store.close()
 
 
+@contextlib.contextmanager
+def store_with_aligned_payload(
+    path: Path, header_bytes: int, data: bytes
+) -> Iterator[tuple[BlockStoreDevice, memoryview]]:
+    """A store with a region per value of a cache header and ``data``, and ``data`` in
+    block-aligned memory (as a payload lies in shared memory), for puts that split."""
+    room = header_bytes + len(data) + BLOCK_BYTES  # A split takes a block more.
+    region_bytes = REGION_HEADER_BYTES + object_span(room)
+    payload = AlignedBuffer(round_up(len(data)))
+    payload.view[: len(data)] = data
+    aligned = payload.view[: len(data)]
+    store = BlockStoreDevice("card", str(path), room, region_bytes=region_bytes, create_bytes=4096 + 4 * region_bytes)
+    try:
+        yield store, aligned
+    finally:
+        store.close()
+        aligned.release()
+        payload.close()
+
+
 def test_a_writers_checksum_of_an_in_place_payload_is_taken_and_a_wrong_one_is_a_miss(tmp_path: Path) -> None:
     """`put_checksummed`: a payload written from the caller's memory is not hashed again, so
     the checksum given is the one verified on every read (a wrong one: a counted miss); a value
     the store copies (contiguous) is hashed by the store whatever it is told."""
     header, data = os.urandom(100), os.urandom(IN_PLACE_MIN_BYTES + CHUNK_BYTES + 777)
     total = len(header) + len(data)
-    room = total + BLOCK_BYTES
-    region_bytes = REGION_HEADER_BYTES + object_span(room)
-    payload = AlignedBuffer(round_up(len(data)))
-    payload.view[: len(data)] = data
-    aligned = payload.view[: len(data)]
-    store = BlockStoreDevice(
-        "card", str(tmp_path / "told.blocks"), room, region_bytes=region_bytes, create_bytes=4096 + 4 * region_bytes
-    )
-    try:
+    with store_with_aligned_payload(tmp_path / "told.blocks", len(header), data) as (store, aligned):
         store.put_checksummed(key(1), [header, aligned], body_checksum(data))
         store.put_checksummed(key(2), [header, aligned], body_checksum(data) ^ 1)
         store.put_checksummed(key(3), [header, data], body_checksum(data) ^ 1)  # Contiguous: hashed here.
@@ -495,10 +508,6 @@ def test_a_writers_checksum_of_an_in_place_payload_is_taken_and_a_wrong_one_is_a
         assert store.get(key(2), into) is None
         assert store.status_counts()["checksum_mismatch"] == 1
         assert store.get(key(3), into) == total and bytes(into) == header + data
-    finally:
-        store.close()
-        aligned.release()
-        payload.close()
 
 
 def test_a_cache_part_hands_its_payload_checksum_to_a_device_that_takes_it(store_path: Path) -> None:
@@ -575,14 +584,8 @@ def test_a_streamed_get_hands_a_cache_payloads_segment_digests_and_never_a_damag
     a damaged one is handed nothing."""
     header, data = os.urandom(HEADER_BYTES), os.urandom(IN_PLACE_MIN_BYTES + 2 * SEGMENT_BYTES + 777)
     total = len(header) + len(data)
-    room = total + BLOCK_BYTES
-    region_bytes = REGION_HEADER_BYTES + object_span(room)
-    payload = AlignedBuffer(round_up(len(data)))
-    payload.view[: len(data)] = data
-    aligned = payload.view[: len(data)]
     path = tmp_path / "streamed.blocks"
-    store = BlockStoreDevice("card", str(path), room, region_bytes=region_bytes, create_bytes=4096 + 4 * region_bytes)
-    try:
+    with store_with_aligned_payload(path, len(header), data) as (store, aligned):
         store.put(key(1), [header, aligned])  # Split: the payload is the body.
         store.put(key(2), [header, data])  # Contiguous.
         into = memoryview(bytearray(total))
@@ -608,7 +611,3 @@ def test_a_streamed_get_hands_a_cache_payloads_segment_digests_and_never_a_damag
         damaged = Recorded()
         assert store.get_streamed(key(1), into, damaged) is None
         assert not (damaged.pieces or damaged.digests or damaged.slices)
-    finally:
-        store.close()
-        aligned.release()
-        payload.close()
