@@ -20,6 +20,12 @@ writing ``<part>.json`` into ``--out`` (default ``$OUT`` or ``bench-out``):
                                           #     and the cold TTFT of each
   python bench/gpu.py report --json       # merge the parts; the last line is one JSON object
 
+``--tp N`` (default 1) runs every engine with ``tensor_parallel_size`` N, one GPU per rank,
+and the raw part on N GPUs at once (one process per GPU, each repetition started together
+on all of them: the ranks share the host's memory bandwidth), with the aggregate beside N
+concurrent pinned memcpys. On the CPU smoke test (``KVH_BENCH_DEVICE=cpu``) give vLLM one
+core per rank and a small KV cache: ``VLLM_CPU_OMP_THREADS_BIND="0|1" VLLM_CPU_KVCACHE_SPACE=1``.
+
 Layout: Llama-3.1-8B (32 layers, 8 KV heads, head size 128, bf16), flash-attn
 pages of 16 tokens in NHD memory order, 256-token chunks (32 MiB each).
 """
@@ -92,10 +98,14 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def median_s(fn: Any, repeat: int) -> tuple[float, list[float]]:
+def median_s(fn: Any, repeat: int, together: Any = None) -> tuple[float, list[float]]:
+    """Median seconds of ``repeat`` runs of ``fn``; with ``together`` (a barrier of the
+    ranks' processes) each run starts when every rank's does."""
     times = []
     for _ in range(repeat):
         sync()
+        if together is not None:
+            together.wait()
         t0 = time.perf_counter()
         fn()
         sync()
@@ -151,6 +161,55 @@ def kv_tensors(blocks: int) -> list[Any]:
 
 
 def bench_raw(args: argparse.Namespace) -> None:
+    """(a) on one GPU, or with ``--tp N`` on N at once (`raw_rank`), merged into ``raw.json``."""
+    if args.tp == 1:
+        save(args, "raw", raw_path(args))
+        return
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    together = context.Barrier(args.tp)
+    ranks = [context.Process(target=raw_rank, args=(args, rank, together)) for rank in range(args.tp)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join()
+    if any(process.exitcode for process in ranks):
+        raise SystemExit(f"bench: a rank of the raw part failed: exit codes {[p.exitcode for p in ranks]}")
+    per_rank = [json.loads((out_dir(args) / f"raw-rank{rank}.json").read_text()) for rank in range(args.tp)]
+    save(args, "raw", merge_ranks(per_rank))
+
+
+def raw_rank(args: argparse.Namespace, rank: int, together: Any) -> None:
+    """One rank of ``raw --tp N``: its own GPU, each timed run started with the other ranks'."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)  # Before torch: this process sees its GPU as cuda:0.
+    (out_dir(args) / f"raw-rank{rank}.json").write_text(json.dumps(raw_path(args, together)))
+
+
+def merge_ranks(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ranks' raw figures, and the aggregate: every rank's bytes over the slowest rank's
+    median, for kvharbor's copies and for the pinned memcpys all ranks ran at the same time."""
+    total = sum(r["bytes"] for r in per_rank)
+
+    def aggregate_gbps(key: str) -> float:
+        return round(total / max(r["bytes"] / (r[key] * 1e9) for r in per_rank) / 1e9, 2)
+
+    merged: dict[str, Any] = {"machine": per_rank[0]["machine"], "tp": len(per_rank), "bytes": total, "ranks": per_rank}
+    for name in ("restore", "offload", "pinned_memcpy_h2d", "pinned_memcpy_d2h"):
+        merged[f"aggregate_{name}_GBps"] = aggregate_gbps(f"{name}_GBps")
+    merged["aggregate_restore_vs_pinned_memcpys"] = round(
+        merged["aggregate_restore_GBps"] / merged["aggregate_pinned_memcpy_h2d_GBps"], 3
+    )
+    merged["aggregate_offload_vs_pinned_memcpys"] = round(
+        merged["aggregate_offload_GBps"] / merged["aggregate_pinned_memcpy_d2h_GBps"], 3
+    )
+    merged["restore_vs_pinned_memcpy"] = min(r["restore_vs_pinned_memcpy"] for r in per_rank)
+    merged["offload_vs_pinned_memcpy"] = min(r["offload_vs_pinned_memcpy"] for r in per_rank)
+    return merged
+
+
+def raw_path(args: argparse.Namespace, together: Any = None) -> dict[str, Any]:
+    """The raw data path on this process's GPU; ``together``: see `median_s`."""
     import torch
 
     from kvharbor.config import EngineSection
@@ -222,17 +281,17 @@ def bench_raw(args: argparse.Namespace) -> None:
             for s, d in zip(src[c], dst[c], strict=True)
         )
         result["restore_mismatched_blocks_sampled"] = int(bad)
-        offload_s, offload_all = median_s(offload, args.repeat)
-        restore_s, restore_all = median_s(restore, args.repeat)
+        offload_s, offload_all = median_s(offload, args.repeat, together)
+        restore_s, restore_all = median_s(restore, args.repeat, together)
 
         host = torch.empty(total, dtype=torch.uint8, pin_memory=DEVICE == "cuda")
         device = torch.empty(total, dtype=torch.uint8, device=DEVICE)
-        d2h_s, _ = median_s(lambda: host.copy_(device, non_blocking=True), args.repeat)
-        h2d_s, _ = median_s(lambda: device.copy_(host, non_blocking=True), args.repeat)
-        shm_d2h_s, _ = median_s(lambda: pin.tensor.copy_(device, non_blocking=True), args.repeat)
-        shm_h2d_s, _ = median_s(lambda: device.copy_(pin.tensor, non_blocking=True), args.repeat)
+        d2h_s, _ = median_s(lambda: host.copy_(device, non_blocking=True), args.repeat, together)
+        h2d_s, _ = median_s(lambda: device.copy_(host, non_blocking=True), args.repeat, together)
+        shm_d2h_s, _ = median_s(lambda: pin.tensor.copy_(device, non_blocking=True), args.repeat, together)
+        shm_h2d_s, _ = median_s(lambda: device.copy_(pin.tensor, non_blocking=True), args.repeat, together)
         pageable = torch.empty(total, dtype=torch.uint8)
-        pageable_h2d_s, _ = median_s(lambda: device.copy_(pageable), 2)
+        pageable_h2d_s, _ = median_s(lambda: device.copy_(pageable), 2, together)
 
         def gbps(seconds: float) -> float:
             return round(total / seconds / 1e9, 2)
@@ -258,7 +317,7 @@ def bench_raw(args: argparse.Namespace) -> None:
         with contextlib.suppress(BufferError):
             segment.map.close()
         path.unlink(missing_ok=True)
-    save(args, "raw", result)
+    return result
 
 
 # -- (a') through the gateway and its RAM tier ----------------------------------------
@@ -458,7 +517,7 @@ def spawn_engine(args: argparse.Namespace, mode: str, tag: str, extra: list[str]
     log = out_dir(args) / f"engine-{tag}.log"
     command = [sys.executable, __file__, "engine", "--mode", mode, "--tag", tag, "--model", str(args.model)]
     command += ["--out", str(out_dir(args)), "--max-model-len", str(args.max_model_len), *extra]
-    command += ["--hash-algo", args.hash_algo]
+    command += ["--hash-algo", args.hash_algo, "--tp", str(args.tp)]
     started = time.perf_counter()
     with open(log, "w") as sink:
         try:
@@ -546,10 +605,11 @@ class Engine:
         return bool(self.llm.reset_prefix_cache())
 
     def chunk_bytes(self) -> int:
+        """What one chunk stores: every rank's shard of it."""
         layout = self.side.layout if self.side is not None else None
         if layout is None:
             return 0
-        return sum(g.page_bytes * len(g.layer_names) for g in layout.groups) * layout.blocks_per_chunk
+        return sum(g.page_bytes * len(g.layer_names) for g in layout.groups) * layout.blocks_per_chunk * layout.ranks
 
     def gateway_status(self) -> dict[str, Any] | None:
         if self.side is None:
@@ -613,9 +673,12 @@ def run_engine(args: argparse.Namespace) -> None:
         seed=0,
         prefix_caching_hash_algo=args.hash_algo,
         kv_transfer_config=engine_transfer(args, work),
+        tensor_parallel_size=args.tp,
+        distributed_executor_backend="mp" if args.tp > 1 else None,
     )
     result: dict[str, Any] = {
         "mode": mode,
+        "tp": args.tp,
         "machine": machine(),
         "engine_start_s": round(time.perf_counter() - started, 1),
     }
@@ -897,6 +960,7 @@ def report(args: argparse.Namespace) -> None:
         "benchmark": "bench/gpu.py",
         "date": time.strftime("%Y-%m-%d"),
         "machine": raw.get("machine") or engines["kvharbor"].get("machine") or restart.get("machine"),
+        "tp": args.tp,
         "raw": {k: v for k, v in raw.items() if k != "machine"},
         "gateway": {k: v for k, v in gw.items() if k not in ("machine", "gateway_status")},
         "ttft": ttft,
@@ -910,6 +974,7 @@ def report(args: argparse.Namespace) -> None:
         "ratios": {
             "offload_vs_pinned_memcpy": raw.get("offload_vs_pinned_memcpy"),
             "restore_vs_pinned_memcpy": raw.get("restore_vs_pinned_memcpy"),
+            "aggregate_restore_vs_pinned_memcpys": raw.get("aggregate_restore_vs_pinned_memcpys"),
             "ttft_restore_vs_recompute_32k": ratio(t32["kvharbor_restore_s"], t32["recompute_s"]),
             "ttft_restore_vs_recompute_130k": ratio(t130["kvharbor_restore_s"], t130["recompute_s"]),
             "ttft_vs_vllm_native_130k": ratio(t130["kvharbor_restore_s"], t130["vllm_native_s"]),
@@ -1043,6 +1108,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("part", choices=["raw", "gateway", "e2e", "restart", "sigint", "engine", "report"])
     parser.add_argument("--out")
+    parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size of every engine; raw: GPUs at once")
     parser.add_argument("--json", action="store_true", help="report: print only the one-line JSON")
     parser.add_argument("--chunks", type=int, default=128, help="raw/gateway: chunks moved (32 MiB each)")
     parser.add_argument("--repeat", type=int, default=5)
@@ -1071,6 +1137,8 @@ def main() -> None:
     parser.add_argument("--extras", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--check", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.tp < 1:
+        parser.error(f"--tp must be >= 1 (got {args.tp})")
     parts = {"raw": bench_raw, "gateway": bench_gateway, "e2e": bench_e2e, "restart": bench_restart}
     parts["sigint"] = bench_sigint
     parts.update(engine=run_engine, report=report)
