@@ -129,6 +129,14 @@ class Usage:
     keys: int
 
 
+def hand_out(value: memoryview, consume: SliceConsumer, slice_bytes: int) -> None:
+    """Hand ``value`` (in place already) to ``consume`` in consecutive slices of at most
+    ``slice_bytes``, in order (`Device.get_streamed`'s slices)."""
+    assert slice_bytes > 0, slice_bytes
+    for start in range(0, value.nbytes, slice_bytes):
+        consume(value[start : start + slice_bytes])
+
+
 def copy_streamed(source: memoryview, into: memoryview, consume: SliceConsumer, slice_bytes: int) -> int:
     """Copy ``source`` into ``into`` slice by slice, handing each copied slice to
     ``consume`` while it is still in the CPU cache (for drivers that hold values in memory)."""
@@ -187,8 +195,7 @@ class Device(ABC):
         got = self.get(key, into)
         if got is not None:
             view = into.cast("B") if into.format != "B" else into
-            for start in range(0, got, slice_bytes):
-                consume(view[start : min(start + slice_bytes, got)])
+            hand_out(view[:got], consume, slice_bytes)
         return got
 
     def peek(self, key: bytes, into: memoryview) -> int | None:

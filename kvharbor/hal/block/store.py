@@ -64,6 +64,7 @@ from kvharbor.hal.base import (
     SelfDescribingDevice,
     SliceConsumer,
     Usage,
+    hand_out,
 )
 from kvharbor.hal.block.direct import AlignedBuffer, BufferPool, Opened, block_aligned, open_direct, pwrite_full
 from kvharbor.hal.block.layout import (
@@ -256,8 +257,7 @@ class BlockStoreDevice(Device, ChecksummedPuts, CardDevice, EventSource, SelfDes
                 at = layout.head_bytes + k * SEGMENT_BYTES
                 consume.take_digest(at, min(SEGMENT_BYTES, layout.value_bytes - at), digest)
         else:
-            for start in range(0, value.nbytes, slice_bytes):
-                consume(value[start : start + slice_bytes])
+            hand_out(value, consume, slice_bytes)
         return layout.value_bytes
 
     def peek(self, key: bytes, into: memoryview) -> int | None:
