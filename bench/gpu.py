@@ -822,6 +822,7 @@ def restart_role(
     entry["profiled"], entry["breakdown"] = profile_request(lambda: engine.generate(ids), trace)
     for name in ("local_tail_clock", "clock", "breakdown"):
         print(f"[{args.tag}] {length} {name}: {json.dumps(entry[name]['steps_ms'])}", flush=True)
+    print(f"[{args.tag}] {length} breakdown dma_gaps: {json.dumps(entry['breakdown'].get('dma_gaps'))}", flush=True)
     write()
 
 

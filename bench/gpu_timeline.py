@@ -200,6 +200,7 @@ def clock_request(run: Callable[[], Any]) -> tuple[Any, dict[str, Any]]:
         entry["last_end_ms"] = ms(end)
     gets = sorted((s for s in clock.spans if s[0] == "kvh.get"), key=lambda s: s[1])
     summary: dict[str, Any] = {"request_ms": ms(t_end), "cpu": cpu, "ranges_wrapped": found}
+    summary["gets_ms"] = [[ms(begin), round((end - begin) * 1000, 3)] for _, begin, end in gets]
     if clock.gpu_marks:
         summary["after_load_gpu_ms"] = clock.after_load_gpu_ms()
     marks = [
@@ -292,8 +293,52 @@ def summarize(trace: dict[str, Any]) -> dict[str, Any]:
         span_s = (gpu["load_dma"]["end_ms"] - gpu["load_dma"]["start_ms"]) / 1000
         summary["dma_GBps_over_span"] = round(dma_bytes / span_s / 1e9, 2) if span_s > 0 else None
         summary["dma_GBps_busy"] = round(dma_bytes / (gpu["load_dma"]["busy_ms"] / 1000) / 1e9, 2)
+    if dma:
+        summary["dma_gaps"] = _dma_gaps(dma, cpu, ms)
+    summary["gets_ms"] = [[ms(e["ts"]), round(e["dur"] / 1000, 3)] for e in gets]
     summary["steps_ms"] = _steps(summary)
     return summary
+
+
+GAPS_SHOWN = 16
+"""The DMA's largest idle gaps listed, each ``[start_ms, ms]``."""
+
+
+def _dma_gaps(
+    dma: list[dict[str, Any]], cpu: dict[str, dict[str, float]], ms: Callable[[float], float]
+) -> dict[str, Any]:
+    """Where the copy engine stood idle between the load's first and last copy: the gaps'
+    total, split at the worker's ``start_load_kv`` (before it the engine's thread runs vLLM's
+    step preparation; after its end, the forward pass) and the largest gaps."""
+    gaps = _gaps_us([(e["ts"], e["ts"] + e["dur"]) for e in dma])
+    spans = [(ms(a), round((b - a) / 1000, 3)) for a, b in gaps]
+    load = cpu.get("kvh.load", {})
+    load_start, load_end = load.get("first_start_ms"), load.get("last_end_ms")
+
+    def idle(lo: float | None, hi: float | None) -> float:
+        lo_ms, hi_ms = -1e18 if lo is None else lo, 1e18 if hi is None else hi
+        return round(sum(max(0.0, min(s + d, hi_ms) - max(s, lo_ms)) for s, d in spans), 3)
+
+    largest = sorted(sorted(spans, key=lambda g: -g[1])[:GAPS_SHOWN])
+    return {
+        "idle_ms": round(sum(d for _, d in spans), 3),
+        "idle_ms_before_start_load_kv": idle(None, load_start) if load_start is not None else None,
+        "idle_ms_during_start_load_kv": idle(load_start, load_end) if load_start is not None else None,
+        "idle_ms_after_start_load_kv": idle(load_end, None) if load_end is not None else None,
+        "count": len(spans),
+        "largest": [list(g) for g in largest],
+    }
+
+
+def _gaps_us(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The holes between the first and the last of ``spans``, as ``(start, end)``."""
+    holes: list[tuple[float, float]] = []
+    end = float("inf")
+    for a, b in sorted(spans):
+        if a > end:
+            holes.append((end, a))
+        end = b if end == float("inf") else max(end, b)
+    return holes
 
 
 def _steps(s: dict[str, Any]) -> dict[str, float | None]:
