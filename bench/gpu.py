@@ -648,9 +648,17 @@ def gateway_status(section: Any) -> dict[str, Any] | None:
         client.close()
 
 
+SWITCH_INTERVAL_ENV = "KVH_BENCH_SWITCH_INTERVAL_US"
+"""Set: the engine process's `sys.setswitchinterval` in microseconds (Python's default: 5000), to
+measure what the loader thread loses waiting for the interpreter while vLLM's thread runs Python."""
+
+
 def run_engine(args: argparse.Namespace) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the connector objects are in reach
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    switch_us = os.environ.get(SWITCH_INTERVAL_ENV)
+    if switch_us:  # An experiment: how long a thread waiting for the interpreter may wait.
+        sys.setswitchinterval(int(switch_us) / 1e6)
     import torch
     from vllm import LLM
 

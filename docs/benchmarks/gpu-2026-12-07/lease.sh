@@ -4,14 +4,16 @@
 # Steps, back to back while the machine stays up: p0 .. p5 (vLLM's parts of 52 MiB, one each, then
 # vLLM installed: ../gpu-h200-2026-12-02-early-load/lease.sh), then go (.whl/deps carried): deps
 # and kvharbor installed, bench/gpu.py raw, then service-mode restarts at 130k while the call has
-# time, alternating the defaults (A) and RUN_B's settings (B); each run's profiled restore lists
-# the DMA's idle gaps (`dma_gaps`). The machine is given back when idle for 30 s: one call keeps it.
+# time, in turn the defaults (A), RUN_B's settings (B: a queue of load requests deep enough to
+# cover vLLM's step preparation) and RUN_C's (C: B with the interpreter's switch interval at
+# 0.5 ms); each run's profiled restore lists the DMA's idle gaps (`dma_gaps`). The machine is given back when idle for 30 s: one call keeps it.
 set -uo pipefail
 step=$1
 here=$(dirname "$0")
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1
 export PYTHONPATH=$HOME/kvh:$HOME/site
 RUN_B=${RUN_B:-KVHARBOR__ENGINE__LOADS_IN_FLIGHT_MAX=8 KVHARBOR__ENGINE__LOAD_START_WAIT_MS=30}
+RUN_C=${RUN_C:-$RUN_B KVH_BENCH_SWITCH_INTERVAL_US=500}
 restart() {  # restart TAG [NAME=VALUE ...]: one service-mode restart with those settings.
   local tag=$1; shift
   mkdir -p $OUT/$tag
@@ -29,7 +31,11 @@ go)
   n=0
   while [ $SECONDS -lt 390 ]; do
     n=$((n + 1))
-    if [ $((n % 2)) -eq 1 ]; then restart a$n KVH_RUN=A; else restart b$n $RUN_B; fi
+    case $((n % 3)) in
+      1) restart a$n KVH_RUN=A ;;
+      2) restart b$n $RUN_B ;;
+      0) restart c$n $RUN_C ;;
+    esac
   done ;;
 *) echo "unknown step $step"; exit 2 ;;
 esac
