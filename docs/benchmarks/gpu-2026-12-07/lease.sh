@@ -29,7 +29,7 @@ go)
   bash "$here/../gpu-h200-2026-12-03-hybrid/lease.sh" install || exit 1
   timeout 120 python3 bench/gpu.py raw --repeat 3 --out $OUT 2>&1 | tee $OUT/raw.log | tail -2
   n=0
-  while [ $SECONDS -lt 390 ]; do
+  while [ $SECONDS -lt ${LOOP_S:-390} ]; do
     n=$((n + 1))
     case $((n % 3)) in
       1) restart a$n KVH_RUN=A ;;
