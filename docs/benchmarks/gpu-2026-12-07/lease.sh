@@ -37,5 +37,8 @@ go)
       0) restart c$n $RUN_C ;;
     esac
   done ;;
+one)  # A second lease, the device time nearly spent: one restart with RUN_B's settings, no raw.
+  bash "$here/../gpu-h200-2026-12-03-hybrid/lease.sh" install || exit 1
+  restart ${TAG:-b1} $RUN_B ;;
 *) echo "unknown step $step"; exit 2 ;;
 esac

@@ -4,7 +4,7 @@ A chunk's blocks are scattered over the cache, so they are gathered on the GPU
 (``index_select`` per layer) into a contiguous staging buffer and cross PCIe
 in one device-to-host copy per run of chunks that lie next to each other in
 shared memory; loads cross in one host-to-device copy per run into one of two
-staging slots and are scattered into their blocks with ``index_copy_``.
+staging slots and are scattered into their blocks, a layer at a time (`_Scatter`).
 Device-to-device traffic is ~4 TB/s, so the gather and the scatter cost a few
 percent of the PCIe time they save.
 
@@ -27,6 +27,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -198,9 +199,7 @@ class DeviceCopy(Holding):
             for layer_index, (layer, group) in enumerate(zip(layers, self.pages.groups, strict=True)):
                 scatter = scatters[group]
                 if scatter is not None:
-                    c_index, b_index, t_index = scatter
-                    rows = pages[c_index, layer_index, b_index]
-                    layer.index_copy_(0, t_index, rows.view(len(t_index), *shape))
+                    scatter.into(layer, pages[:, layer_index], shape)
                 ready.append(self._scatter.record())
             self._slot_free[slot_index] = ready[-1]
             self._layer_ready = ready
@@ -236,7 +235,6 @@ class DeviceCopy(Holding):
                 scatter = self._scatter_index(chunks, group)
             if scatter is None:
                 raise RuntimeError(f"held chunks restore blocks of group {group} and its scatter has none")
-            c_index, b_index, t_index = scatter
             step = self._layers_per_row(len(chunks), end - first, layer_bytes)
             for start in range(first, end, step):
                 stop = min(start + step, end)
@@ -251,8 +249,7 @@ class DeviceCopy(Holding):
                     rows = slot[: len(chunks) * (stop - start) * layer_bytes].view(pages.dtype)
                     rows = rows.view(len(chunks), stop - start, -1, pages.page_elems)
                     for j in range(start, stop):
-                        pages_in = rows[:, j - start][c_index, b_index].view(len(t_index), *pages.page_shape)
-                        pages.layers[j].index_copy_(0, t_index, pages_in)
+                        scatter.into(pages.layers[j], rows[:, j - start], pages.page_shape)
                     event = self._slot_free[slot_index] = self._scatter.record()
                 ready[start:stop] = [event] * (stop - start)
                 self._held.queued(stop - 1)
@@ -279,18 +276,26 @@ class DeviceCopy(Holding):
         self._next_slot = (index + 1) % len(self._slots)
         return index, self._slots[index]
 
-    def _scatter_index(self, staged: Sequence[StagedChunk], group: int) -> torch.Tensor | None:
-        """``(chunk, block in chunk, target block)`` rows of one group's scatter, on the device;
-        None when the group restores nothing from these chunks (out of its window)."""
+    def _scatter_index(self, staged: Sequence[StagedChunk], group: int) -> _Scatter | None:
+        """One group's scatter of ``staged``, its index on the device; None when the group
+        restores nothing from these chunks (out of its window)."""
         chunk_index: list[int] = []
         block_index: list[int] = []
         targets: list[int] = []
+        per = self.blocks_per_chunk
+        whole = True
         for c, chunk in enumerate(staged):
             part = chunk.parts[group]
             chunk_index += [c] * len(part.targets)
             block_index += range(part.first, part.first + len(part.targets))
             targets += part.targets
-        return self.index(chunk_index, block_index, targets) if targets else None
+            whole = whole and part.first == 0 and len(part.targets) == per
+        if not targets:
+            return None
+        if whole:  # The chunk and block rows are implied: only the targets cross.
+            return _Scatter(self.index(targets)[0].view(len(staged), per), None)
+        rows = self.index(chunk_index, block_index, targets)
+        return _Scatter(rows[2], (rows[0], rows[1]))
 
     def wait_layer(self, layer: int) -> None:
         self._held.wait(layer)
@@ -362,6 +367,28 @@ class DeviceCopy(Holding):
         synchronize(self.device)
         self._slots = []
         self._layer_ready = []
+
+
+@dataclass(frozen=True, slots=True)
+class _Scatter:
+    """One cache group's scatter of staged chunks into their blocks, its index on the device."""
+
+    targets: torch.Tensor
+    """The engine's blocks the rows go to: ``(chunks, blocks_per_chunk)`` when every staged chunk
+    restores all its blocks (`rows` is None), else one per row."""
+    rows: tuple[torch.Tensor, torch.Tensor] | None
+    """(chunk, block in chunk) of each row, where some chunk restores only some of its blocks."""
+
+    def into(self, layer: torch.Tensor, pages: torch.Tensor, page_shape: Sequence[int]) -> None:
+        """Scatter ``pages`` (``(chunks, blocks_per_chunk, page elements)``: one layer of the
+        staged chunks) into ``layer`` (``(num_blocks, *page_shape)``). Whole chunks are scattered
+        from the staging itself (a 2-D index, no gather): one kernel and a few Python calls per
+        layer, which the loader thread pays for every layer of every load request."""
+        if self.rows is None:
+            layer.index_put_((self.targets,), pages.view(*pages.shape[:2], *page_shape))
+            return
+        chunk, block = self.rows
+        layer.index_copy_(0, self.targets, pages[chunk, block].view(len(self.targets), *page_shape))
 
 
 class _DeviceSave:
