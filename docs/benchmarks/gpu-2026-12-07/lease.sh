@@ -6,7 +6,10 @@
 # and kvharbor installed, bench/gpu.py raw, then service-mode restarts at 130k while the call has
 # time, in turn the defaults (A), RUN_B's settings (B: a queue of load requests deep enough to
 # cover vLLM's step preparation) and RUN_C's (C: B with the interpreter's switch interval at
-# 0.5 ms); each run's profiled restore lists the DMA's idle gaps (`dma_gaps`). The machine is given back when idle for 30 s: one call keeps it.
+# 0.5 ms); each run's profiled restore lists the DMA's idle gaps (`dma_gaps`). The machine is
+# given back when idle for 30 s: one call keeps it. The next lease (the loader of d1d06b3, not yet
+# run on a GPU): RUN_B="KVHARBOR__ENGINE__LOADS_IN_FLIGHT_MAX=64 KVHARBOR__ENGINE__LOAD_START_WAIT_MS=200"
+# (every request of a 130k restore queued before vLLM prepares the step) beside the defaults.
 set -uo pipefail
 step=$1
 here=$(dirname "$0")
