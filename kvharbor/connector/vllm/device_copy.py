@@ -279,21 +279,16 @@ class DeviceCopy(Holding):
     def _scatter_index(self, staged: Sequence[StagedChunk], group: int) -> _Scatter | None:
         """One group's scatter of ``staged``, its index on the device; None when the group
         restores nothing from these chunks (out of its window)."""
-        chunk_index: list[int] = []
-        block_index: list[int] = []
-        targets: list[int] = []
-        per = self.blocks_per_chunk
-        whole = True
-        for c, chunk in enumerate(staged):
-            part = chunk.parts[group]
-            chunk_index += [c] * len(part.targets)
-            block_index += range(part.first, part.first + len(part.targets))
-            targets += part.targets
-            whole = whole and part.first == 0 and len(part.targets) == per
+        parts = [chunk.parts[group] for chunk in staged]
+        targets = [block for part in parts for block in part.targets]
         if not targets:
             return None
-        if whole:  # The chunk and block rows are implied: only the targets cross.
+        per = self.blocks_per_chunk
+        if all(part.first == 0 and len(part.targets) == per for part in parts):
+            # Whole chunks: the chunk and block of each row are implied, only the targets cross.
             return _Scatter(self.index(targets)[0].view(len(staged), per), None)
+        chunk_index = [c for c, part in enumerate(parts) for _ in part.targets]
+        block_index = [part.first + k for part in parts for k in range(len(part.targets))]
         rows = self.index(chunk_index, block_index, targets)
         return _Scatter(rows[2], (rows[0], rows[1]))
 
