@@ -25,6 +25,7 @@ import functools
 import gzip
 import importlib
 import json
+import math
 import os
 import tempfile
 import time
@@ -315,16 +316,16 @@ def _dma_gaps(
     load = cpu.get("kvh.load", {})
     load_start, load_end = load.get("first_start_ms"), load.get("last_end_ms")
 
-    def idle(lo: float | None, hi: float | None) -> float:
-        lo_ms, hi_ms = -1e18 if lo is None else lo, 1e18 if hi is None else hi
-        return round(sum(max(0.0, min(s + d, hi_ms) - max(s, lo_ms)) for s, d in spans), 3)
+    def idle(lo: float, hi: float) -> float:
+        """Idle ms between ``lo`` and ``hi`` (ms from the request's start)."""
+        return round(sum(max(0.0, min(s + d, hi) - max(s, lo)) for s, d in spans), 3)
 
     largest = sorted(sorted(spans, key=lambda g: -g[1])[:GAPS_SHOWN])
     return {
-        "idle_ms": round(sum(d for _, d in spans), 3),
-        "idle_ms_before_start_load_kv": idle(None, load_start) if load_start is not None else None,
-        "idle_ms_during_start_load_kv": idle(load_start, load_end) if load_start is not None else None,
-        "idle_ms_after_start_load_kv": idle(load_end, None) if load_end is not None else None,
+        "idle_ms": idle(-math.inf, math.inf),
+        "idle_ms_before_start_load_kv": None if load_start is None else idle(-math.inf, load_start),
+        "idle_ms_during_start_load_kv": None if load_start is None else idle(load_start, load_end or math.inf),
+        "idle_ms_after_start_load_kv": None if load_end is None else idle(load_end, math.inf),
         "count": len(spans),
         "largest": [list(g) for g in largest],
     }
@@ -333,11 +334,11 @@ def _dma_gaps(
 def _gaps_us(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
     """The holes between the first and the last of ``spans``, as ``(start, end)``."""
     holes: list[tuple[float, float]] = []
-    end = float("inf")
+    end = math.inf
     for a, b in sorted(spans):
         if a > end:
             holes.append((end, a))
-        end = b if end == float("inf") else max(end, b)
+        end = b if end == math.inf else max(end, b)
     return holes
 
 
@@ -385,13 +386,11 @@ def _without(work: list[dict[str, Any]], taken: list[dict[str, Any]]) -> list[di
 
 
 def _union_us(spans: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(spans):
-        if b <= end:
-            continue
-        total += b - max(a, end)
-        end = b
-    return total
+    """How long at least one of ``spans`` runs: from the first start to the last end, less the holes."""
+    if not spans:
+        return 0.0
+    whole = max(b for _, b in spans) - min(a for a, _ in spans)
+    return whole - sum(b - a for a, b in _gaps_us(spans))
 
 
 def _median(values: list[float]) -> float:
