@@ -7,12 +7,12 @@ before must last: how fast the loader queues requests, against how fast the copy
 engine empties them, decides how far ahead of the copies it can get in the time the
 engine's thread waits for it (`engine.load_start_wait_ms`, `docs/performance.md`).
 
-On a GPU, `DeviceCopy` runs over a model's real KV shape (``--layers`` layers of
-``--blocks-per-chunk`` blocks of ``--page-kib`` KiB per chunk, ``--chunks``
-chunks per request: Llama-3.1-8B's 32 layers, 16-token blocks of 64 KiB and 256 MiB
-requests by default) from page-locked memory, and each request's host-to-device copy
-is timed alone with CUDA events. On the CPU (``KVH_BENCH_DEVICE=cpu`` or no GPU) the
-pages are 256 B: the copies would dominate and there is no copy engine to compare
+On a GPU, `DeviceCopy` runs over the KV cache of ``bench/gpu.py`` (Llama-3.1-8B's
+shape: 32 layers, 16-token blocks of 64 KiB in flash-attn's layout) with the engine's
+defaults (`EngineSection`: requests of ``engine.load_batch_mb``) from page-locked memory,
+and each request's host-to-device copy is timed alone. On the CPU
+(``KVH_BENCH_DEVICE=cpu`` or no GPU) the pages are 256 B and a request holds as many
+chunks as on a GPU: the copies would dominate and there is no copy engine to compare
 against, so only the loader's own (Python and dispatch) time is measured.
 
     .venv/bin/python bench/loader.py [--requests 200] [--json]
@@ -25,45 +25,53 @@ request's copy time per request queued. Nothing is asserted.
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
-import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
+from common import emit
+from gpu import BLOCK, DEVICE, HEAD, KV_HEADS, LAYERS, PER_CHUNK, kv_tensors, median_s
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from kvharbor.config import EngineSection
 from kvharbor.connector.vllm.chunks import ChunkPart
+from kvharbor.connector.vllm.copier import load_request_chunks
 from kvharbor.connector.vllm.device_copy import DeviceCopy
 from kvharbor.connector.vllm.pinning import PinnedMapping, cuda_host_register
 
-CPU_PAGE_BYTES = 256
-"""A page on the CPU: small enough that the copies cost next to nothing beside the calls."""
+CPU_PAGE_ELEMS = 128
+"""A page on the CPU (256 B of bf16): small enough that the copies cost next to nothing beside the calls."""
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--blocks-per-chunk", type=int, default=16)
-    parser.add_argument("--page-kib", type=int, default=64, help="bytes of one block of one layer (GPU)")
-    parser.add_argument("--chunks", type=int, default=8, help="chunks per load request")
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    cuda = torch.cuda.is_available() and os.environ.get("KVH_BENCH_DEVICE") != "cpu"
-    device = torch.device("cuda" if cuda else "cpu")
-    page_bytes = args.page_kib << 10 if cuda else CPU_PAGE_BYTES
-    per, chunks = args.blocks_per_chunk, args.chunks
-    num_blocks = 4 * chunks * per  # Four requests' worth of blocks: each request lands elsewhere.
-    tensors = [
-        torch.zeros(num_blocks, page_bytes // 2, dtype=torch.bfloat16, device=device) for _ in range(args.layers)
-    ]
-    chunk_bytes = args.layers * per * page_bytes
-    copy = DeviceCopy(tensors, num_blocks, per, chunks * chunk_bytes, chunk_bytes, None, 2, 4 << 20)
+    cuda = DEVICE == "cuda" and torch.cuda.is_available()
+    engine = EngineSection()
+    # As many chunks per request as the engine's requests hold on a GPU (bf16 pages of K and V).
+    chunks = load_request_chunks(engine.load_batch_bytes, LAYERS * PER_CHUNK * BLOCK * KV_HEADS * 2 * HEAD * 2)
+    num_blocks = 4 * chunks * PER_CHUNK  # Four requests' worth of blocks: each request lands elsewhere.
+    if cuda:
+        tensors = kv_tensors(num_blocks)
+    else:
+        tensors = [torch.zeros(num_blocks, CPU_PAGE_ELEMS, dtype=torch.bfloat16) for _ in range(LAYERS)]
+    chunk_bytes = LAYERS * PER_CHUNK * tensors[0][0].numel() * tensors[0].element_size()
+    copy = DeviceCopy(
+        tensors,
+        num_blocks,
+        PER_CHUNK,
+        chunks * chunk_bytes,
+        engine.save_staging_bytes_max,
+        None,
+        engine.loads_in_flight_max,
+        engine.load_layered_row_bytes,
+    )
+    if copy.chunks_per_load != chunks or copy.chunk_bytes != chunk_bytes:
+        raise RuntimeError(
+            f"{copy.chunks_per_load} chunks of {copy.chunk_bytes} B per request, not {chunks} of {chunk_bytes}"
+        )
     source = mmap.mmap(-1, 2 * chunks * chunk_bytes)  # Two requests' answers, used in turn.
     mapping = PinnedMapping(memoryview(source), register=cuda_host_register if cuda else None)
     view = memoryview(source)
@@ -75,8 +83,8 @@ def main() -> None:
         started = time.perf_counter()
         for c in range(chunks):
             at = ((k % 2) * chunks + c) * chunk_bytes
-            first = ((k % 4) * chunks + c) * per
-            copy.stage_load(mapping, view[at : at + chunk_bytes], [ChunkPart(0, list(range(first, first + per)))])
+            first = ((k % 4) * chunks + c) * PER_CHUNK
+            copy.stage_load(mapping, view[at : at + chunk_bytes], [ChunkPart(0, list(range(first, first + PER_CHUNK)))])
         wait = copy.flush_load(mapping)
         spent = time.perf_counter() - started
         wait()
@@ -86,29 +94,21 @@ def main() -> None:
     for k in range(10):  # Warm: allocator, kernels, the first launches.
         request(k)
     loader_ms = statistics.median(request(k) for k in range(args.requests)) * 1000
-    figures = {"loader_ms_per_request": round(loader_ms, 3), "request_bytes": chunks * chunk_bytes}
+    figures: dict[str, object] = {
+        "loader_ms_per_request": round(loader_ms, 3),
+        "chunks_per_request": chunks,
+        "request_bytes": chunks * chunk_bytes,
+        "device": "cuda" if cuda else "cpu",
+    }
     ratios: dict[str, float] = {}
     if cuda:
-        target = torch.empty(chunks * chunk_bytes, dtype=torch.uint8, device=device)
-        times = []
-        for _ in range(20):
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            target.copy_(mapping.tensor[: chunks * chunk_bytes], non_blocking=True)
-            end.record()
-            end.synchronize()
-            times.append(begin.elapsed_time(end))
-        dma_ms = statistics.median(times)
-        figures["dma_ms_per_request"] = round(dma_ms, 3)
-        ratios["loader_vs_dma"] = round(loader_ms / dma_ms, 3)
+        target = torch.empty(chunks * chunk_bytes, dtype=torch.uint8, device="cuda")
+        dma_s, _ = median_s(lambda: target.copy_(mapping.tensor[: chunks * chunk_bytes], non_blocking=True), 20)
+        figures["dma_ms_per_request"] = round(dma_s * 1000, 3)
+        ratios["loader_vs_dma"] = round(loader_ms / (dma_s * 1000), 3)
     copy.close()
     mapping.close()
-    figures["device"] = str(device)
-    print(f"loader: {loader_ms:.3f} ms per request of {chunks} chunks x {args.layers} layers ({device})")
-    if ratios:
-        print(f"dma: {figures['dma_ms_per_request']} ms per request; loader_vs_dma {ratios['loader_vs_dma']}")
-    if args.json:
-        print(json.dumps({"figures": figures, "ratios": ratios}))
+    emit(figures, ratios, args.json)
 
 
 if __name__ == "__main__":
