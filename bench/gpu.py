@@ -250,11 +250,11 @@ def raw_path(args: argparse.Namespace, together: Any = None) -> dict[str, Any]:
                     save.stage(c, pin, views[g + c])
                 wait = save.flush(pin)
                 if held is not None:
-                    held[0]()
+                    held[0].synchronize()
                     held[1].release()
                 held = (wait, save)
             if held is not None:
-                held[0]()
+                held[0].synchronize()
                 held[1].release()
 
         def restore() -> None:
@@ -265,10 +265,10 @@ def raw_path(args: argparse.Namespace, together: Any = None) -> dict[str, Any]:
                     pages.stage_load(pin, views[c], [ChunkPart(0, dst[c])])
                 wait = pages.flush_load(pin)
                 if held is not None:
-                    held()
+                    held.synchronize()
                 held = wait
             if held is not None:
-                held()
+                held.synchronize()
             pages.wait_loads()
 
         offload()

@@ -87,7 +87,7 @@ def main() -> None:
             copy.stage_load(mapping, view[at : at + chunk_bytes], [ChunkPart(0, list(range(first, first + PER_CHUNK)))])
         wait = copy.flush_load(mapping)
         spent = time.perf_counter() - started
-        wait()
+        wait.synchronize()
         copy.wait_loads()
         return spent
 

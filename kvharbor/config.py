@@ -80,14 +80,15 @@ class EngineSection(_Section):
     this much later. 0: never wait."""
     # The worker's data path (`connector.vllm.datapath`); none of these changes what is stored.
     load_start_wait_ms: float = Field(
-        10.0, ge=0, allow_inf_nan=False, description="longest wait for an early restore's first copies to be queued"
+        10.0, ge=0, allow_inf_nan=False, description="longest wait for an early restore's copies to get ahead"
     )
     """A step's restores start on the loader thread before vLLM asks for them (`handoff`), but
-    the engine's thread, busy in Python, holds the interpreter: on an H200 the loader's first
-    gateway request and copy followed ~12 ms after the start at 130,000 tokens. The engine's
-    thread therefore waits, at most this long, until the copies of the first requests (as many
-    as can be queued at once) are under way; they then run beside vLLM's input preparation.
-    0: never wait."""
+    while vLLM's thread prepares the step (12-20 ms at 130,000 tokens on an H100 or H200) it
+    holds the interpreter and the loader queues next to nothing. The engine's thread therefore
+    waits, at most this long, until the copies are as far ahead of the copy engine as they get:
+    ``loads_in_flight_max`` requests still being copied, or all of them started (on a CPU,
+    whose loader makes the copies itself, its first request copied); the copy engine then
+    works through them beside vLLM's preparation. 0: never wait."""
     load_batch_mb: int = Field(256, gt=0, le=4096, description="MiB asked of the gateway per load request")
     """Also the size of each of the two device staging slots a GPU's loads pass through (one is
     copied in while the other is scattered): 256 MiB keeps the copy engines busy on the H200."""
@@ -99,8 +100,11 @@ class EngineSection(_Section):
     copies go on while the loader thread waits for the interpreter (vLLM's thread holds it
     while it prepares the step). Requests whose values the gateway copied into its ring (not
     served in place from a RAM tier) hold at most half the ring between them. On a CPU each
-    request is copied within the step, one at a time. Default 2 (one per staging slot): depths 8
-    and 16 gave no end-to-end gain beyond the hosts' noise on an H200 (docs/performance.md)."""
+    request is copied within the step, one at a time. The copies vLLM's preparation of the step
+    can overlap are at most this many requests' (`load_start_wait_ms`): 256 MiB is 4.6-4.9 ms
+    at 55 GB/s. Default 2 (one per staging slot): depths 8 and 16 gave no end-to-end gain
+    beyond the hosts' noise on an H200, when the engine's thread waited for requests queued
+    rather than still being copied (docs/performance.md)."""
     load_layered_mb: int = Field(
         2048, ge=0, le=65536, description="MiB at the end of a step's restore copied in layer by layer"
     )

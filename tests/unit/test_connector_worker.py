@@ -278,9 +278,10 @@ def held_flush(side: WorkerSide, held: int, release: threading.Event) -> list[bo
 
 
 def test_a_restore_prepared_early_returns_once_its_first_copies_are_under_way(real_gateway: RealGateway) -> None:
-    """The engine's thread waits in `prepare_load` until the loader has queued the copies of as
-    many gateway requests as can be under way at once (on a CPU one, copied in its flush):
-    busy in Python, it would otherwise keep the interpreter from the loader."""
+    """The engine's thread waits in `prepare_load` until the loader's copies are as far ahead as
+    they get (on a CPU, whose loader makes them in its flush: the first request's; on a GPU
+    `test_datapath`'s ``ahead`` test): busy in Python, it would otherwise keep the
+    interpreter from the loader."""
     gateway, source, target = real_gateway, caches(seed=9), caches(seed=None)
     saved(gateway, source)
     # One chunk per request, streamed chunk by chunk (none held for a layered copy).

@@ -94,7 +94,7 @@ def save_chunks(copy: PageCopy, chunks: list[list[int]], shm: Shm, offsets: list
     save.close()
     for c, offset in enumerate(offsets):
         save.stage(c, shm.mapping, shm.span(offset, copy.chunk_bytes))
-    save.flush(shm.mapping)()
+    save.flush(shm.mapping).synchronize()
     save.release()
 
 
@@ -125,9 +125,9 @@ def test_save_then_restore_round_trip_with_partial_chunks(backend: str) -> None:
     loader.stage_load(shm.mapping, shm.span(offsets[1], size), [ChunkPart(0, [24, 25, 26, 27])])
     with pytest.raises(RuntimeError, match="flush_load after chunks_per_load"):
         loader.stage_load(shm.mapping, shm.span(offsets[2], size), [ChunkPart(0, [28, 29])])
-    loader.flush_load(shm.mapping)()
+    loader.flush_load(shm.mapping).synchronize()
     loader.stage_load(shm.mapping, shm.span(offsets[2], size), [ChunkPart(0, [28, 29])])
-    loader.flush_load(shm.mapping)()
+    loader.flush_load(shm.mapping).synchronize()
     loader.wait_layer(0)
     loader.wait_loads()
     restored = dict(zip([21, 22, 23, 24, 25, 26, 27, 28, 29], [9, 3, 30, 4, 5, 6, 7, 20, 2], strict=True))
@@ -160,7 +160,7 @@ def test_a_hybrid_cache_round_trips_each_group_through_its_own_blocks(backend: s
     save.close()
     for c in range(2):
         save.stage(c, shm.mapping, shm.span(c * size, size))
-    save.flush(shm.mapping)()
+    save.flush(shm.mapping).synchronize()
     save.release()
     for c, blocks in enumerate(chunks):  # [layer][block][page], each layer through its group's blocks
         expected = b"".join(
@@ -177,9 +177,9 @@ def test_a_hybrid_cache_round_trips_each_group_through_its_own_blocks(backend: s
     loader.stage_load(shm.mapping, shm.span(size, size), [ChunkPart(0, [25, 26, 27, 28]), ChunkPart(2, [31, 32])])
     if held:
         loader.hold_load()
-        loader.flush_held(shm.mapping)()
+        loader.flush_held(shm.mapping).synchronize()
     else:
-        loader.flush_load(shm.mapping)()
+        loader.flush_load(shm.mapping).synchronize()
     loader.wait_loads()
     full = dict(zip(range(21, 29), [1, 2, 3, 4, 9, 10, 11, 12], strict=True))
     window = {31: 15, 32: 16}
@@ -221,7 +221,7 @@ def test_what_a_save_reads_after_the_step(backend: str) -> None:
         t[1:5] = 0  # the next step reuses the blocks
     shm = Shm(copy.chunk_bytes)
     save.stage(0, shm.mapping, shm.span(0, copy.chunk_bytes))
-    save.flush(shm.mapping)()
+    save.flush(shm.mapping).synchronize()
     save.release()
     assert copy.snapshots_saves == (backend == "device")
     assert (bytes(shm.buffer) == before) == copy.snapshots_saves
@@ -581,7 +581,7 @@ def test_a_held_flush_releases_each_layer_to_the_engine_once_its_pages_are_in(ba
         thread.start()
     waiting[0].join(0.05)
     assert all(thread.is_alive() for thread in waiting)  # the held copies are not queued yet
-    loader.flush_held(shm.mapping)()
+    loader.flush_held(shm.mapping).synchronize()
     for thread in waiting:
         thread.join(30)
     assert seen == dict.fromkeys(range(LAYERS), True)
@@ -621,7 +621,7 @@ def test_a_device_held_flush_copies_layers_together_in_rows_of_the_least_size(
     for c in range(3):
         loader.stage_load(shm.mapping, shm.span(c * size, size), [ChunkPart(0, [20 + 4 * c + b for b in range(4)])])
     loader.hold_load()
-    loader.flush_held(shm.mapping)()
+    loader.flush_held(shm.mapping).synchronize()
     loader.wait_loads()
     assert queued == released
     for layer in range(LAYERS):
@@ -818,6 +818,83 @@ def test_a_load_told_when_answered_copies_its_last_requests_layer_by_layer(gatew
         saver.close()
 
 
+class Copying:
+    """A flush's copies as a GPU's copy engine runs them: still running until ``finished`` is
+    set (no copy engine here; the bytes were copied by the real flush underneath)."""
+
+    def __init__(self, real: Any, finished: threading.Event) -> None:
+        self.real, self.finished = real, finished
+
+    def query(self) -> bool:
+        return self.finished.is_set()
+
+    def synchronize(self) -> None:
+        assert self.finished.wait(60)
+        self.real.synchronize()
+
+
+@pytest.mark.parametrize("keeps_up", [False, True])
+def test_a_load_is_ahead_once_as_many_requests_as_may_be_are_still_being_copied(
+    gateway_config: Any, keeps_up: bool
+) -> None:
+    """`DataPath.load` tells ``ahead`` (the engine's thread then stops waiting for the loader:
+    `WorkerSide.prepare_load`) when the loader is about to wait for copies still running with
+    ``loads_queued_max`` requests under way (three here), not when it queued them: copies
+    that finish meanwhile leave room for more. Copies done by the time their flush returned
+    (they keep up with the loader, as a CPU's) are as far ahead as they get at once."""
+    src = layers()
+    saver, _ = data_path(gateway_config, make_copy("device", src))
+    dst = [torch.zeros_like(t) for t in src]
+    loader, counts = data_path(gateway_config, make_copy("device", dst), engine=EngineSection(load_layered_mb=0))
+    keys = [bytes([12, i]) * 8 for i in range(6)]
+    try:
+        assert saver.map() and loader.map()
+        meta = KVHarborMetadata(saves=[ChunkTransfer("r", [keys], block_ids=[list(range(24))])])
+        saver.begin_step(meta)
+        parts = saver.end_step(meta)
+        assert parts is not None
+        assert saver._save_link.store(saver.fingerprint, [(k, saver.copy.chunk_bytes) for k in keys], parts.fill,
+                                      parts.settle) == 6  # fmt: skip
+        parts.done()
+
+        copy, real_flush = loader.copy, loader.copy.flush_load
+        assert copy.loads_queued_max == 3
+        finished, ahead = threading.Event(), threading.Event()
+        if keeps_up:
+            finished.set()
+        flushes: list[int] = []
+
+        def flush_load(mapping: Any) -> Copying:
+            flushes.append(len(flushes) + 1)
+            return Copying(real_flush(mapping), finished)
+
+        def told() -> None:
+            if not ahead.is_set():
+                flushes.append(0)  # Where in the flushes the first word came.
+                ahead.set()
+
+        copy.flush_load = flush_load  # type: ignore[method-assign]
+        load = ChunkTransfer("r", [keys], block_ids=[list(range(16, 40))])
+        loader.begin_loads()
+        restored: list[int] = []
+        thread = threading.Thread(target=lambda: restored.append(loader.load(load, ahead=told)))
+        thread.start()
+        assert ahead.wait(60)
+        first = flushes.index(0)
+        finished.set()
+        thread.join(60)
+        loader.end_step(KVHarborMetadata())
+        # One chunk per request: ahead after the first flush whose copies were done, else once
+        # the loader has three under way and waits for the first, still running.
+        assert first == (1 if keeps_up else 3)
+        assert restored == [24] and counts["loaded_chunks"] == 6
+        for layer in range(LAYERS):
+            assert torch.equal(dst[layer][16:40], src[layer][0:24])
+    finally:
+        loader.close()
+        saver.close()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_step_stores_none_of_the_chunks_of_a_dropped_request(backend: str) -> None:
     """A request whose restore fell short after the forward pass had started (`WorkerSide._settle`)
@@ -935,7 +1012,7 @@ def test_device_loads_are_ordered_after_the_engine_or_refused() -> None:
         copy.flush_load(shm.mapping)
     copy.begin_loads()
     copy.stage_load(shm.mapping, shm.span(0, copy.chunk_bytes), [ChunkPart(0, [1, 2, 3, 4])])
-    copy.flush_load(shm.mapping)()
+    copy.flush_load(shm.mapping).synchronize()
     copy.wait_loads()  # The step's end: the next step's loads need their own begin_loads.
     copy.stage_load(shm.mapping, shm.span(0, copy.chunk_bytes), [ChunkPart(0, [1, 2, 3, 4])])
     with pytest.raises(RuntimeError, match="flush_load before begin_loads"):

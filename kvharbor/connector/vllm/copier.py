@@ -13,22 +13,31 @@ Each keeps the page order its stored objects have always had (`pages`).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Final, Protocol
 
 from kvharbor.connector.vllm.chunks import ChunkPart, GroupBlocks
 from kvharbor.connector.vllm.pages import PageLayers
 from kvharbor.connector.vllm.pinning import PinnedMapping
+from kvharbor.connector.vllm.streams import HostEvent
 
 MIB = 1 << 20
 
-Wait = Callable[[], None]
-"""Blocks until a flush's copies have read (loads) or written (saves) the shared memory."""
+
+class Wait(Protocol):
+    """A flush's copies (the `streams.Event` after them): once `synchronize` returns they have
+    read (loads) or written (saves) the shared memory."""
+
+    def synchronize(self) -> None:
+        """Block the calling thread until then."""
+
+    def query(self) -> bool:
+        """Whether they have by now (never blocks)."""
 
 
-def no_wait() -> None:
-    pass
+COPIED: Final[Wait] = HostEvent()
+"""The wait of copies made by the time their flush returned (or of none)."""
 
 
 class StagingUnavailable(Exception):
@@ -67,8 +76,8 @@ class PageCopy(Protocol):
     """Chunks asked of the gateway per load request (flush after at most this many)."""
     loads_queued_max: int
     """Load requests whose copies can be under way at once (the loader holds at most this many
-    of the gateway's: `CacheLink.load_streamed`): a restore is fully under way once this many
-    were flushed."""
+    of the gateway's: `CacheLink.load_streamed`): a restore's copies are as far ahead of their
+    copy engine as they get once this many are still being copied."""
     snapshots_saves: bool
     """True: `StepSave.close` leaves the step's pages copied into staging of the save's own,
     so the saver thread may fill shared memory later. False: the pages are read from the

@@ -64,24 +64,36 @@ def state_saves(meta: KVHarborMetadata) -> Sequence[ChunkTransfer]:
 
 
 class _Copies:
-    """A load's copies as `CacheLink.load_streamed` starts them (`StreamCopies`)."""
+    """A load's copies as `CacheLink.load_streamed` starts them (`StreamCopies`), telling
+    ``ahead()`` each time they are as far ahead of their copy engine as the load gets them
+    for now (`DataPath.load`)."""
 
-    def __init__(self, copy: PageCopy, mapping: PinnedMapping, queued: Callable[[], None] | None) -> None:
-        self._copy, self._mapping, self._queued = copy, mapping, queued
+    def __init__(self, copy: PageCopy, mapping: PinnedMapping, ahead: Callable[[], None] | None) -> None:
+        self._copy, self._mapping, self._ahead = copy, mapping, ahead
 
-    def flush(self) -> Wait:
+    def flush(self) -> Callable[[], None]:
         wait = self._copy.flush_load(self._mapping)
-        if self._queued is not None:
-            self._queued()
-        return wait
+        if self._ahead is None:
+            return wait.synchronize
+        if wait.query():  # Made in the flush (on a CPU), or the copies keep up with the loader.
+            self._ahead()
+            return wait.synchronize
+        return lambda: self._waited(wait)
+
+    def _waited(self, wait: Wait) -> None:
+        """The load waits for a request's copies: tell ``ahead`` first if they are still running
+        (as many requests are under way as may be, or the load has started them all)."""
+        if self._ahead is not None and not wait.query():
+            self._ahead()
+        wait.synchronize()
 
     def hold(self) -> None:
         self._copy.hold_load()
-        if self._queued is not None:
-            self._queued()  # Under way as a flushed request is: the loader goes on with the next.
+        if self._ahead is not None:
+            self._ahead()  # No copy starts before the held ones: the loader gets no further ahead.
 
-    def flush_held(self) -> Wait:
-        return self._copy.flush_held(self._mapping)
+    def flush_held(self) -> Callable[[], None]:
+        return self._copy.flush_held(self._mapping).synchronize
 
     def drop_held(self) -> None:
         self._copy.drop_held()
@@ -233,14 +245,18 @@ class DataPath:
         self,
         transfer: ChunkTransfer,
         proceed: Callable[[int], bool] | None = None,
-        queued: Callable[[], None] | None = None,
+        ahead: Callable[[], None] | None = None,
         answered: Callable[[int], None] | None = None,
     ) -> int:
         """Restore the leading stored chunks of ``transfer``; returns the block positions
         restored (in every cache group).
 
         ``proceed(chunks_so_far)``, asked before each further gateway request, may stop the load.
-        ``queued()`` is called after each gateway request's copies were started (`flush_load`).
+        ``ahead()`` is called each time the copies started are as far ahead of the copy engine
+        as this load gets them for now: the loader is about to wait for a request's copies that
+        are still running (``loads_queued_max`` requests are under way, or it started them all),
+        a request's copies were done by the time its flush returned (made in the flush, as on a
+        CPU), or it holds requests for a layered copy (none is copied before the last answer).
         ``answered(blocks)``: called once the gateway has answered the load's last request, with
         the block positions it will have restored unless a copy fails; the load's last requests
         (``engine.load_layered_mb``) are then copied layer by layer (`PageCopy.flush_held`), so
@@ -281,7 +297,7 @@ class DataPath:
             keys[unread:],
             copy.chunks_per_load,
             sink,
-            _Copies(copy, mapping, queued),
+            _Copies(copy, mapping, ahead),
             go_on,
             copy.loads_queued_max,
             hold_from=self._hold_from(len(keys) - unread) if answered is not None else None,
@@ -345,7 +361,7 @@ class DataPath:
         return SaveParts(
             keys,
             fill=lambda i, view: save.stage(kept[i], mapping, view),
-            settle=lambda: save.flush(mapping)(),
+            settle=lambda: save.flush(mapping).synchronize(),
             done=save.release,
             reads_blocks=not self.copy.snapshots_saves,
             step_waits=not self.copy.snapshots_saves

@@ -34,6 +34,7 @@ import torch
 
 from kvharbor.connector.vllm.chunks import ChunkPart, GroupBlocks, contiguous_runs
 from kvharbor.connector.vllm.copier import (
+    COPIED,
     HeldLoads,
     Holding,
     LoadStage,
@@ -42,7 +43,6 @@ from kvharbor.connector.vllm.copier import (
     StepSave,
     Wait,
     load_request_chunks,
-    no_wait,
 )
 from kvharbor.connector.vllm.pages import PageLayers, block_major
 from kvharbor.connector.vllm.pinning import PinnedMapping
@@ -169,7 +169,7 @@ class DeviceCopy(Holding):
         their shared memory has been read (and may be given back)."""
         staged = self._stage.take()
         if not staged:
-            return no_wait
+            return COPIED
         engine = self._engine_event("flush_load")
         slot_index, slot = self._take_slot()
         size = self.chunk_bytes
@@ -203,7 +203,7 @@ class DeviceCopy(Holding):
                 ready.append(self._scatter.record())
             self._slot_free[slot_index] = ready[-1]
             self._layer_ready = ready
-        return copied.synchronize
+        return copied
 
     def flush_held(self, mapping: PinnedMapping) -> Wait:
         """Each layer in turn: its pages of every held chunk that restores its group cross
@@ -211,7 +211,7 @@ class DeviceCopy(Holding):
         memory) and are scattered into its blocks; `wait_layer` is released for it then."""
         held = self._held.take()
         try:
-            return self._flush_layers(mapping, held) if held else no_wait
+            return self._flush_layers(mapping, held) if held else COPIED
         finally:
             self._held.release()
 
@@ -253,7 +253,7 @@ class DeviceCopy(Holding):
                     event = self._slot_free[slot_index] = self._scatter.record()
                 ready[start:stop] = [event] * (stop - start)
                 self._held.queued(stop - 1)
-        return copied.synchronize if copied is not None else no_wait
+        return copied if copied is not None else COPIED
 
     def _layers_per_row(self, chunks: int, layers: int, layer_bytes: int) -> int:
         """Consecutive layers of ``chunks`` held chunks copied at once: rows of at least
@@ -432,7 +432,7 @@ class _DeviceSave:
         engine's); the returned wait blocks until they are there."""
         copies, self.copies = self.copies, []
         if not copies:
-            return no_wait
+            return COPIED
         d2h, size = self.copy.d2h, self.copy.chunk_bytes
         staged = self.staging.view(torch.uint8).view(self.chunks, size)
         with d2h.on():
@@ -449,7 +449,7 @@ class _DeviceSave:
                     for k in range(count):
                         target = mapping.tensor[offset + k * size : offset + (k + 1) * size]
                         target.copy_(staged[chunks[at + k]], non_blocking=True)
-            return d2h.record().synchronize
+            return d2h.record()
 
     def release(self) -> None:
         if self.nbytes:

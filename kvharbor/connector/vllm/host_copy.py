@@ -16,6 +16,7 @@ import torch
 
 from kvharbor.connector.vllm.chunks import ChunkPart, GroupBlocks
 from kvharbor.connector.vllm.copier import (
+    COPIED,
     HeldLoads,
     Holding,
     LoadStage,
@@ -23,7 +24,6 @@ from kvharbor.connector.vllm.copier import (
     StepSave,
     Wait,
     load_request_chunks,
-    no_wait,
 )
 from kvharbor.connector.vllm.pages import PageLayers, block_first
 from kvharbor.connector.vllm.pinning import PinnedMapping
@@ -76,7 +76,7 @@ class HostCopy(Holding):
             source = self._source(mapping, chunk)
             for layer in range(len(self.pages.layers)):
                 source.copy_layer(layer)
-        return no_wait  # Copied when it returns.
+        return COPIED  # Copied when it returns.
 
     def flush_held(self, mapping: PinnedMapping) -> Wait:
         try:
@@ -85,7 +85,7 @@ class HostCopy(Holding):
                 for source in sources:
                     source.copy_layer(layer)
                 self._held.queued(layer)
-            return no_wait  # Copied when it returns.
+            return COPIED  # Copied when it returns.
         finally:
             self._held.release()
 
@@ -155,7 +155,7 @@ class _HostSave:
             torch.index_select(layer, 0, index[group], out=target)
 
     def flush(self, mapping: PinnedMapping) -> Wait:
-        return no_wait  # Copied when staged.
+        return COPIED  # Copied when staged.
 
     def release(self) -> None:
         pass

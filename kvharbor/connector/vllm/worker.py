@@ -174,28 +174,6 @@ class _Settling:
     restores: _Restores
 
 
-class _Underway:
-    """Whether a restore started early (`WorkerSide.prepare_load`) has its first ``wanted``
-    requests' copies queued, or has ended: the loader thread tells, the engine's thread waits."""
-
-    def __init__(self, wanted: int) -> None:
-        self._left = wanted
-        """Loader thread only."""
-        self._event = threading.Event()
-
-    def queued(self) -> None:
-        self._left -= 1
-        if self._left <= 0:
-            self._event.set()
-
-    def finish(self) -> None:
-        self._event.set()
-
-    def wait(self, timeout_s: float) -> None:
-        """Wait at most ``timeout_s`` (0: not at all)."""
-        self._event.wait(timeout_s)
-
-
 @dataclass(frozen=True, slots=True)
 class Received:
     """Asynchronous loads (`ChunkTransfer.asynchronous`) done since the last report, by request."""
@@ -372,10 +350,12 @@ class WorkerSide:
         model runner prepares the step's inputs (`handoff`, ``handle_preemptions``); a step
         already started is not started again.
 
-        Their copies then overlap that preparation (15-29 ms of a 130,000-token restore on an
-        H200: `docs/performance.md`). This thread first waits, at most
-        ``engine.load_start_wait_ms``, until the first requests' copies are queued: while it
-        runs Python the loader thread would get the interpreter only at its switch interval.
+        Their copies then overlap that preparation (12-20 ms of a 130,000-token restore on an
+        H100 or H200: `docs/performance.md`), during which the loader thread queues next to
+        nothing: vLLM's thread holds the interpreter. This thread therefore first waits, at most
+        ``engine.load_start_wait_ms``, until the copies are as far ahead of the copy engine as
+        they get (``engine.loads_in_flight_max`` requests still being copied, or all started:
+        `DataPath.load`'s ``ahead``), so that the copy engine has that much to do meanwhile.
         Nothing the preparation does touches the KV cache, and the engine reads no restored
         block before `load` has waited for the restores.
         """
@@ -391,20 +371,21 @@ class WorkerSide:
             # ``_update_states``: ``new_block_ids_to_zero``): its chunks are restored in `load`.
             self._loading = _Loading(meta, self._path, started, None, states)
             return
-        restores, underway = self._start_restores(self._path, meta.loads, states, started)
+        restores, ahead = self._start_restores(self._path, meta.loads, states, started)
         self._loading = _Loading(meta, self._path, started, restores, states)
-        # The loader's first requests need the interpreter, which this thread would hold.
-        underway.wait(self.config.engine.load_start_wait_ms / 1000)
+        # The loader needs the interpreter to queue copies, which vLLM's thread holds from here on.
+        ahead.wait(self.config.engine.load_start_wait_ms / 1000)
 
     def _start_restores(
         self, path: DataPath, transfers: Sequence[ChunkTransfer], states: Sequence[bool], started_s: float
-    ) -> tuple[_Restores, _Underway]:
+    ) -> tuple[_Restores, threading.Event]:
         """`_restore_announced` of ``transfers`` started on the loader thread, after
-        ``path``'s `DataPath.begin_loads` on this (the engine's) thread."""
-        underway = _Underway(path.copy.loads_queued_max)
+        ``path``'s `DataPath.begin_loads` on this (the engine's) thread; and the event set once
+        their copies are as far ahead as they get (`DataPath.load`'s ``ahead``) or they ended."""
+        ahead = threading.Event()
         restores = _Restores(started_s)
-        self._loader.submit(self._restore_announced, transfers, states, underway, restores)
-        return restores, underway
+        self._loader.submit(self._restore_announced, transfers, states, ahead, restores)
+        return restores, ahead
 
     def load(self, meta: KVHarborMetadata) -> None:
         """Restore the step's planned chunks, as far as every rank could (`RankAgreement`).
@@ -521,16 +502,17 @@ class WorkerSide:
         return restored
 
     def _restore_announced(
-        self, transfers: Sequence[ChunkTransfer], states: Sequence[bool], underway: _Underway, restores: _Restores
+        self, transfers: Sequence[ChunkTransfer], states: Sequence[bool], ahead: threading.Event, restores: _Restores
     ) -> None:
-        """`_restore_all` on the loader thread, telling ``underway`` of each request's copies
-        and of its end, and ``restores`` of the gateway's answer and of the end, whatever the end."""
+        """`_restore_all` on the loader thread, setting ``ahead`` once its copies are as far
+        ahead as they get or it ended, and telling ``restores`` of the gateway's answer and of
+        the end, whatever the end."""
         try:
-            restores.finish(self._restore_all(transfers, states, underway.queued, restores.answer))
+            restores.finish(self._restore_all(transfers, states, ahead.set, restores.answer))
         except BaseException as err:
             restores.fail(err, len(transfers))
         finally:
-            underway.finish()
+            ahead.set()
             for path in self._paths():
                 path.copy.drop_held()  # A held flush that never ran releases the engine's layers.
 
@@ -538,12 +520,12 @@ class WorkerSide:
         self,
         transfers: Sequence[ChunkTransfer],
         states: Sequence[bool],
-        queued: Callable[[], None] | None = None,
+        ahead: Callable[[], None] | None = None,
         answered: Callable[[list[int]], None] | None = None,
     ) -> list[int]:
         """This rank's restores: per transfer, how many of its leading block positions it
         filled. ``states``: per transfer, whether its state (if it has one) was restored.
-        ``queued``: `DataPath.load`'s. ``answered(blocks)``: per transfer, what the gateway's
+        ``ahead``: `DataPath.load`'s. ``answered(blocks)``: per transfer, what the gateway's
         answers promise, once the last transfer's last request is answered; the last
         transfer's last requests are then copied layer by layer (`DataPath.load`)."""
         path = self._path
@@ -557,7 +539,7 @@ class WorkerSide:
                 def told(blocks: int, transfer: ChunkTransfer = transfer) -> None:
                     answered([*restored, self._kept(transfer, blocks)])
 
-            restored.append(self._restore(path, transfer, state, queued, told))
+            restored.append(self._restore(path, transfer, state, ahead, told))
         return restored
 
     def _restore(
@@ -565,7 +547,7 @@ class WorkerSide:
         path: DataPath,
         transfer: ChunkTransfer,
         has_state: bool,
-        queued: Callable[[], None] | None,
+        ahead: Callable[[], None] | None,
         answered: Callable[[int], None] | None,
     ) -> int:
         """One transfer's restore."""
@@ -574,7 +556,7 @@ class WorkerSide:
         # With several cache groups vLLM 0.26-0.32 cannot recompute blocks a load did not fill
         # (its scheduler raises for invalid blocks of several groups): such a load is not cut.
         cut = self._load_cut(transfer, path.copy.chunk_bytes) if len(self.layout.groups) == 1 else None
-        return self._kept(transfer, path.load(transfer, cut, queued, answered))
+        return self._kept(transfer, path.load(transfer, cut, ahead, answered))
 
     @staticmethod
     def _kept(transfer: ChunkTransfer, restored: int) -> int:
