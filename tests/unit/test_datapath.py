@@ -692,6 +692,20 @@ def data_path(
     return path, counts
 
 
+def stored(saver: DataPath, keys: list[bytes], blocks: list[int]) -> int:
+    """``keys`` saved from ``blocks`` in one step of ``saver`` and stored through its link, as
+    the saver thread stores them; how many the gateway stored."""
+    meta = KVHarborMetadata(saves=[ChunkTransfer("r", [keys], block_ids=[blocks])])
+    saver.begin_step(meta)
+    parts = saver.end_step(meta)
+    assert parts is not None
+    try:
+        items = [(k, saver.copy.chunk_bytes) for k in keys]
+        return saver._save_link.store(saver.fingerprint, items, parts.fill, parts.settle)
+    finally:
+        parts.done()
+
+
 @pytest.mark.parametrize("land", [True, False])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_the_step_that_ends_a_prompt_waits_for_its_saves_to_land(gateway_config: Any, backend: str, land: bool) -> None:
@@ -790,15 +804,7 @@ def test_a_load_told_when_answered_copies_its_last_requests_layer_by_layer(gatew
     try:
         assert saver.map() and loader.map()
         keys = [bytes([10, i]) * 8 for i in range(4)]
-        blocks = list(range(1, 17))
-        save = ChunkTransfer("r", [keys], block_ids=[blocks])
-        meta = KVHarborMetadata(saves=[save])
-        saver.begin_step(meta)
-        parts = saver.end_step(meta)
-        assert parts is not None
-        assert saver._save_link.store(saver.fingerprint, [(k, saver.copy.chunk_bytes) for k in keys], parts.fill,
-                                      parts.settle) == 4  # fmt: skip
-        parts.done()
+        assert stored(saver, keys, list(range(1, 17))) == 4
 
         order: list[str] = []
         copy = loader.copy
@@ -849,13 +855,7 @@ def test_a_load_is_ahead_once_as_many_requests_as_may_be_are_still_being_copied(
     keys = [bytes([12, i]) * 8 for i in range(6)]
     try:
         assert saver.map() and loader.map()
-        meta = KVHarborMetadata(saves=[ChunkTransfer("r", [keys], block_ids=[list(range(24))])])
-        saver.begin_step(meta)
-        parts = saver.end_step(meta)
-        assert parts is not None
-        assert saver._save_link.store(saver.fingerprint, [(k, saver.copy.chunk_bytes) for k in keys], parts.fill,
-                                      parts.settle) == 6  # fmt: skip
-        parts.done()
+        assert stored(saver, keys, list(range(24))) == 6
 
         copy, real_flush = loader.copy, loader.copy.flush_load
         assert copy.loads_queued_max == 3
