@@ -83,7 +83,7 @@ class EngineSection(_Section):
         10.0, ge=0, allow_inf_nan=False, description="longest wait for an early restore's copies to get ahead"
     )
     """A step's restores start on the loader thread before vLLM asks for them (`handoff`), but
-    while vLLM's thread prepares the step (12-20 ms at 130,000 tokens on an H100 or H200) it
+    while vLLM's thread prepares the step (12-29 ms at 130,000 tokens on an H100 or H200) it
     holds the interpreter and the loader queues next to nothing. The engine's thread therefore
     waits, at most this long, until the copies are as far ahead of the copy engine as they get:
     ``loads_in_flight_max`` requests still being copied, or all of them started (on a CPU,

@@ -350,7 +350,7 @@ class WorkerSide:
         model runner prepares the step's inputs (`handoff`, ``handle_preemptions``); a step
         already started is not started again.
 
-        Their copies then overlap that preparation (12-20 ms of a 130,000-token restore on an
+        Their copies then overlap that preparation (12-29 ms of a 130,000-token restore on an
         H100 or H200: `docs/performance.md`), during which the loader thread queues next to
         nothing: vLLM's thread holds the interpreter. This thread therefore first waits, at most
         ``engine.load_start_wait_ms``, until the copies are as far ahead of the copy engine as
