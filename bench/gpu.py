@@ -831,7 +831,53 @@ def restart_role(
     for name in ("local_tail_clock", "clock", "breakdown"):
         print(f"[{args.tag}] {length} {name}: {json.dumps(entry[name]['steps_ms'])}", flush=True)
     print(f"[{args.tag}] {length} breakdown dma_gaps: {json.dumps(entry['breakdown'].get('dma_gaps'))}", flush=True)
+    floor = pcie_floor(entry, engine.chunk_bytes())
+    if floor is not None:
+        entry["pcie_floor"] = floor
+        print(f"[{args.tag}] {length} pcie_floor: {json.dumps(floor)}", flush=True)
     write()
+
+
+FLOOR_COPY_BYTES = 1 << 30
+"""One pinned host-to-GPU copy of the floor's rate measurement (`pcie_floor`)."""
+
+
+def pcie_floor(entry: dict[str, Any], chunk_bytes: int, repeat: int = 5) -> dict[str, Any] | None:
+    """`floor_figures` of ``entry`` with the pinned host-to-GPU copy rate measured now, in the
+    restoring engine's process (median of ``repeat`` copies of `FLOOR_COPY_BYTES`); None off a
+    GPU, or without the figures the floor needs."""
+    import torch
+
+    tail_ms = entry.get("local_tail_clock", {}).get("after_load_gpu_ms")
+    if DEVICE != "cuda" or not torch.cuda.is_available() or tail_ms is None or not chunk_bytes:
+        return None
+    host = torch.empty(FLOOR_COPY_BYTES, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty(FLOOR_COPY_BYTES, dtype=torch.uint8, device="cuda")
+    seconds, _ = median_s(lambda: device.copy_(host, non_blocking=True), repeat)
+    return floor_figures(entry, chunk_bytes, FLOOR_COPY_BYTES / seconds / 1e9)
+
+
+def floor_figures(entry: dict[str, Any], chunk_bytes: int, rate_GBps: float) -> dict[str, Any]:
+    """The floor a restore is held against (issue 9): its KV bytes over the pinned host-to-GPU
+    copy rate, plus the GPU time of the tail vLLM computes after the restored prefix
+    (``local_tail_clock``: the same prefix from vLLM's own GPU cache, from the end of the load
+    to the end of sampling); and each timed restore of ``entry`` against it."""
+    restored_bytes = entry["restart"]["cached"] // CHUNK * chunk_bytes
+    tail_ms = entry["local_tail_clock"]["after_load_gpu_ms"]
+    floor_ms = restored_bytes / rate_GBps / 1e6 + tail_ms
+    restores_ms = {
+        "restart": entry["restart"]["ttft_s"] * 1000,
+        **{f"warm{i}": warm["ttft_s"] * 1000 for i, warm in enumerate(entry["warm_restores"], 1)},
+        "clocked": entry["clocked"]["ttft_s"] * 1000,
+        "profiled": entry["profiled"]["ttft_s"] * 1000,
+    }
+    return {
+        "pinned_h2d_GBps": round(rate_GBps, 2),
+        "restored_bytes": restored_bytes,
+        "tail_gpu_ms": tail_ms,
+        "floor_ms": round(floor_ms, 1),
+        "vs_floor": {name: round(ms / floor_ms, 3) for name, ms in restores_ms.items()},
+    }
 
 
 RESTART_RING_MB = 1024
@@ -1034,6 +1080,12 @@ def restart_figures(load: Any) -> dict[str, Any]:
                 entry["profiled_restore_steps_ms"] = got.get("breakdown", {}).get("steps_ms")
             figures[f"{label}_{mode}"] = entry
             figures["ratios"][f"ttft_restart_vs_recompute_{label}_{mode}"] = ratio(entry["restart_ttft_s"], cold)
+            floor = got.get("pcie_floor")
+            if floor is not None:  # The restarted engine's first request, and the best of its later restores.
+                entry["pcie_floor"] = floor
+                later = [v for name, v in floor["vs_floor"].items() if name != "restart"]
+                figures["ratios"][f"restart_vs_pcie_floor_{label}_{mode}"] = floor["vs_floor"]["restart"]
+                figures["ratios"][f"restore_vs_pcie_floor_{label}_{mode}"] = min(later)
     return figures
 
 

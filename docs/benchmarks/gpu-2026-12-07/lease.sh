@@ -23,7 +23,7 @@ restart() {  # restart TAG [NAME=VALUE ...]: one service-mode restart with those
   echo "[$tag] $*" > $OUT/$tag/settings.txt
   env "$@" timeout 200 python3 bench/gpu.py restart --phases service --lengths 130000 \
     --model /tmp/kvh-llama31-8b --engine-timeout 180 --out $OUT/$tag 2>&1 | tee $OUT/$tag/restart.log \
-    | grep -E 'breakdown|clock|restored|130000:' | cut -c1-900 | tail -8
+    | grep -E 'breakdown|clock|restored|130000:|pcie_floor' | cut -c1-900 | tail -9
   tar -czf $OUT/$tag.tar.gz -C $OUT --exclude '*.json.gz' $tag && rm -rf $OUT/$tag
 }
 case $step in
