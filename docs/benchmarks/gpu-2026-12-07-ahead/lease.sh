@@ -7,7 +7,9 @@
 # ../gpu-2026-12-07/lease.sh (p0 .. p5 back to back, each carrying its vLLM part; then go, carrying
 # .whl/deps). The restarts take turns: A the defaults (2 requests ahead, the wait at most 10 ms),
 # B 8 requests ahead (60 ms), C 16 (100 ms). After them, bench/loader.py: the loader's own time
-# per 256 MiB request beside its copy on this GPU (`loader_vs_dma`).
+# per 256 MiB request beside its copy on this GPU (`loader_vs_dma`). Each restart prints its restores
+# against the issue's floor (`pcie_floor`, from 1606f11: the pinned host-to-GPU rate measured in the
+# restoring process; `vs_floor` <= 1.1 is the target).
 set -uo pipefail
 here=$(dirname "$0")
 export RUN_B=${RUN_B:-KVHARBOR__ENGINE__LOADS_IN_FLIGHT_MAX=8 KVHARBOR__ENGINE__LOAD_START_WAIT_MS=60}
