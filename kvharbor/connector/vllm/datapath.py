@@ -73,11 +73,8 @@ class _Copies:
 
     def flush(self) -> Callable[[], None]:
         wait = self._copy.flush_load(self._mapping)
-        if self._ahead is None:
-            return wait.synchronize
-        if wait.query():  # Made in the flush (on a CPU), or the copies keep up with the loader.
+        if self._ahead is not None and wait.query():  # Made in the flush (a CPU's), or they keep up.
             self._ahead()
-            return wait.synchronize
         return lambda: self._waited(wait)
 
     def _waited(self, wait: Wait) -> None:
