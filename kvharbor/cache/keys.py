@@ -65,16 +65,6 @@ def key_hex(key: bytes) -> str:
     return key.hex()
 
 
-def key_from_hex(text: str) -> ChunkKey:
-    """Parse `key_hex` output; raises ValueError naming the bad input."""
-    try:
-        raw = bytes.fromhex(text)
-    except ValueError:
-        raise ValueError(f"not a hex key: {text!r}") from None
-    check_key(raw)
-    return ChunkKey(raw)
-
-
 def check_key(key: bytes) -> None:
     """Raise ValueError unless ``key`` is exactly `KEY_BYTES` bytes."""
     if not isinstance(key, (bytes, bytearray)) or len(key) != KEY_BYTES:

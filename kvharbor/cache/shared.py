@@ -209,11 +209,6 @@ class SharedIndex(TierIndex):
 
     # -- the shared budget ---------------------------------------------------
 
-    @property
-    def shared_totals(self) -> LeaseBody | None:
-        """What the lease record said last: its holder and the last sweep's totals."""
-        return self._shared
-
     def sweep(self) -> bool:
         """One round: hold the lease if it is free, lapsed or ours, and if held, sweep the
         budget; else read the holder's totals. True if this host holds the lease."""

@@ -138,7 +138,6 @@ class WaitStatus(StatusField):
 
 def _start_gateway(world: World, p: StartGateway) -> str:
     ready = world.gateway.start(p.start_clean, p.release)
-    world.last_refused_start = not ready
     if ready == p.refused:
         raise ActionFailed("the gateway " + ("started" if ready else "refused to start") + "; see its log")
     return "gateway ready" if ready else "gateway refused to start, as expected"

@@ -86,7 +86,6 @@ class World:
         self.sends: list[SendResult] = []
         self.first_outputs: dict[tuple[str, int], tuple[int, str]] = {}
         """(prompt name, tokens) -> (the send that first sent it, the text the engine generated then)."""
-        self.last_refused_start = False
         self._capture = _Capture(self.engine_log)
         logging.getLogger("kvharbor").addHandler(self._capture)
         logging.getLogger("kvharbor").setLevel(logging.INFO)

@@ -24,8 +24,6 @@ from typing import Any
 from kvharbor.sim.fleet import FleetResult, Tier
 from kvharbor.sim.sweep import CapacityResult, smallest_reaching
 
-TTFT_QUANTILES = (0.5, 0.99)
-
 
 @dataclass(frozen=True, slots=True)
 class PlanPoint:

@@ -240,10 +240,9 @@ class VllmLayout:
     """One per rank, indexed by `rank_index`: of the chunk objects (attention KV)."""
     digests: tuple[bytes, ...]
     groups: tuple[CacheGroup, ...]
-    state_fingerprints: tuple[LayoutFingerprint, ...] = ()
-    """One per rank: of the state objects (every Mamba-type group's state at a chunk
-    boundary); empty without Mamba-type groups."""
     state_digests: tuple[bytes, ...] = ()
+    """One per rank: the fingerprint digests of the state objects (every Mamba-type group's
+    state at a chunk boundary); empty without Mamba-type groups."""
     kv_groups: tuple[CacheGroup, ...] = field(init=False, repr=False, compare=False)
     """The attention groups, whose pages of a chunk's blocks make its chunk object."""
     state_groups: tuple[CacheGroup, ...] = field(init=False, repr=False, compare=False)
@@ -369,6 +368,5 @@ def build_layout(vllm_config: Any, kv_cache_config: Any, config: Config) -> Vllm
         fingerprints=fingerprints,
         digests=tuple(f.digest() for f in fingerprints),
         groups=tuple(groups),
-        state_fingerprints=states,
         state_digests=tuple(f.digest() for f in states),
     )

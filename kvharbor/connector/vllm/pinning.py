@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import time
 from collections.abc import Callable
 
 import torch
@@ -63,11 +62,9 @@ class PinnedMapping:
         self.size = view.nbytes
         self._registered: int | None = None
         self._unregister = unregister
-        started = time.perf_counter()
         if register is not None:
             register(self.base, self.size)  # Raises PinError.
             self._registered = self.base
-        self.register_s = time.perf_counter() - started
         array = (ctypes.c_uint8 * self.size).from_address(self.base)
         self.tensor = torch.frombuffer(array, dtype=torch.uint8)
 
