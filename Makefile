@@ -32,7 +32,7 @@ wheel:
 lint:
 	.venv/bin/ruff check kvharbor tests bench
 	.venv/bin/ruff format --check kvharbor tests bench
-	.venv/bin/mypy kvharbor
+	.venv/bin/mypy kvharbor bench
 
 bench: setup
 	.venv/bin/python bench/keys.py

@@ -49,7 +49,8 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import BENCH_LINE_PREFIX, emit, run_engine_process  # noqa: E402
+from common import BENCH_LINE_PREFIX, emit, run_engine_process  # noqa: E402
+
 from kvharbor.demo.dtype import choose_dtype  # noqa: E402
 from kvharbor.demo.model import build_tiny_model  # noqa: E402
 

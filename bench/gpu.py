@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
 import os
@@ -45,7 +46,10 @@ import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:  # The data path's part runs without vLLM: its metadata are stood in for.
+    from kvharbor.connector.vllm.metadata import ChunkTransfer, KVHarborMetadata
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -406,7 +410,7 @@ def bench_gateway(args: argparse.Namespace) -> None:
                 block_ids=[perm[g * PER_CHUNK : (g + len(part)) * PER_CHUNK]],
                 ends_prompt=False,
             )
-            meta = SimpleNamespace(saves=[transfer], loads=[])
+            meta = cast("KVHarborMetadata", SimpleNamespace(saves=[transfer], loads=[]))
             path.begin_step(meta)
             for layer in range(LAYERS):
                 path.save_layer(str(layer))
@@ -423,14 +427,17 @@ def bench_gateway(args: argparse.Namespace) -> None:
         def restore(loader: DataPath = path, layered: bool = False) -> float:
             """One restore of every chunk; ``layered``: as an engine's loader thread makes it,
             its last ``engine.load_layered_mb`` copied layer by layer (`DataPath.load`)."""
-            transfer = SimpleNamespace(
-                keys=[keys],
-                block_ids=[perm[chunks * PER_CHUNK :]],
-                blocks=chunks * PER_CHUNK,
-                skip_blocks=0,
-                recompute_s=(),
+            transfer = cast(
+                "ChunkTransfer",
+                SimpleNamespace(
+                    keys=[keys],
+                    block_ids=[perm[chunks * PER_CHUNK :]],
+                    blocks=chunks * PER_CHUNK,
+                    skip_blocks=0,
+                    recompute_s=(),
+                ),
             )
-            loader.begin_step(SimpleNamespace(saves=[], loads=[transfer]))
+            loader.begin_step(cast("KVHarborMetadata", SimpleNamespace(saves=[], loads=[transfer])))
             loader.begin_loads()
             sync()
             t0 = time.perf_counter()
@@ -474,7 +481,7 @@ def bench_gateway(args: argparse.Namespace) -> None:
         wide.close()
         times = restores(path, layered=False)
         if args.profile:
-            from bench.gpu_timeline import profile_request
+            from gpu_timeline import profile_request
 
             trace = out_dir(args) / f"trace-gateway-{chunks}.json.gz"
             _, result["profiled_restore"] = profile_request(restore, trace)
@@ -791,7 +798,7 @@ def restart_role(
     ``restore`` (the next process): each prompt once, as the first requests after its start
     (after a warm-up shorter than one chunk, which kvharbor neither looks up nor stores);
     with ``--extras`` then, for the longest prompt, vLLM's own floor and the breakdown."""
-    from bench.gpu_timeline import clock_request, profile_request
+    from gpu_timeline import clock_request, profile_request
 
     vocab = engine.vocab
     engine.generate(prompt(args.warmup_tokens, 999, vocab))
@@ -805,7 +812,7 @@ def restart_role(
     for length in lengths:
         ids = prompt(length, length, vocab)
         entry = result[str(length)] = {}
-        entry["restart"], entry["restart_clock"] = clock_request(lambda ids=ids: engine.generate(ids))
+        entry["restart"], entry["restart_clock"] = clock_request(functools.partial(engine.generate, ids))
         print(f"[{args.tag}] {length}: {json.dumps(entry['restart'])} {entry['restart_clock']['steps_ms']}", flush=True)
         write()
     if not args.extras:

@@ -58,7 +58,7 @@ def prompt(tokens: int, seed: int = 11) -> list[int]:
     return [rng.randrange(10, 4000) for _ in range(tokens)]
 
 
-SEVEN_B = {
+SEVEN_B: dict[str, Any] = {
     "hidden_size": 4096,
     "num_hidden_layers": 32,
     "num_attention_heads": 32,
@@ -151,10 +151,9 @@ def engine(model: str, tokens: int, asynchronous: str) -> None:
     if large:  # The connector's and vLLM's steps in this process, for `clock_request`.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     sys.path.insert(0, str(REPO))
+    from gpu_timeline import clock_request
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-
-    from bench.gpu_timeline import clock_request
 
     kwargs: dict[str, Any] = {} if asynchronous == "default" else {"async_scheduling": asynchronous == "on"}
     if config.get("model_type") == "qwen3_next":

@@ -56,7 +56,11 @@ def gateway(directory: Path, ram_gb: float, storage: dict[str, Any]) -> Iterator
         {"name": "ram", "type": "ram", "capacity_gb": ram_gb},
         {"name": "local", "type": "file", "path": str(directory / "files"), "capacity_gb": 8, "fsync": False},
     ]
-    section = {"mode": "service", "socket": str(directory / f"{name}.sock"), "shm_name": f"kvh-bench-{name}"}
+    section: dict[str, Any] = {
+        "mode": "service",
+        "socket": str(directory / f"{name}.sock"),
+        "shm_name": f"kvh-bench-{name}",
+    }
     section |= {"ring_mb": 256, "ring_mb_min": 1}
     config_path.write_text(yaml.safe_dump({"gateway": section, "storage": {"tiers": tiers, **storage}}))
     with gateway_process(config_path, directory / f"{name}.log", 120):

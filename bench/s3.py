@@ -29,6 +29,7 @@ from kvharbor.cache.assembly import open_store
 from kvharbor.cache.format import HEADER_BYTES, Codec, encode
 from kvharbor.config import validate_config
 from kvharbor.hal.base import STREAM_SLICE_BYTES
+from kvharbor.hal.s3 import S3Device
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support, for the server.
 
@@ -85,7 +86,10 @@ def s3_works(size: int, fingerprint: bytes, server: S3Server) -> tuple[dict[str,
 
     (part,) = encode(stored, fingerprint, value, Codec.NONE, size + HEADER_BYTES)
     body = bytes(part.header) + bytes(part.payload)
-    section = s3.device.section
+    device = s3.device
+    if not isinstance(device, S3Device):
+        raise SystemExit(f"bench: the s3 tier opened a {type(device).__name__}, not an S3Device")
+    section = device.section
     clients = {
         "defaults": boto3.client("s3", endpoint_url=server.url, region_name="us-east-1"),
         "tier_settings": boto3.client(

@@ -44,8 +44,9 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import BENCH_LINE_PREFIX, emit, run_engine_process  # noqa: E402
-from bench.e2e import MODEL, WARMUP_TOKENS, time_connector_steps  # noqa: E402
+from common import BENCH_LINE_PREFIX, emit, run_engine_process  # noqa: E402
+from e2e import MODEL, WARMUP_TOKENS, time_connector_steps  # noqa: E402
+
 from kvharbor.demo.model import build_tiny_model  # noqa: E402
 
 MODES = ("marks", "commit_in_step")
@@ -72,8 +73,9 @@ def commit_before_the_step_returns() -> None:
         if meta.saves:
             committed.wait()
 
-    CacheLink.store = store_then_say
-    WorkerSide.save = save_and_wait
+    # The methods themselves are replaced: every instance the engine builds is to report.
+    CacheLink.store = store_then_say  # type: ignore[method-assign]
+    WorkerSide.save = save_and_wait  # type: ignore[method-assign]
 
 
 def engine_main(spec_path: str) -> None:

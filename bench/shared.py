@@ -36,8 +36,9 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench import e2e  # noqa: E402
-from bench.common import emit, gateway_process, run_engine_process  # noqa: E402
+import e2e  # noqa: E402
+from common import emit, gateway_process, run_engine_process  # noqa: E402
+
 from kvharbor.demo.dtype import choose_dtype  # noqa: E402
 from kvharbor.demo.model import build_tiny_model  # noqa: E402
 from kvharbor.hal.s3 import RECORDS  # noqa: E402

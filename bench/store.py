@@ -76,7 +76,7 @@ import sys
 import tempfile
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -157,7 +157,7 @@ def drop_cached(*paths: Path) -> None:
 
 
 def best_cold_seconds(
-    works: dict[str, tuple[Callable[[], object], Callable[[], None]]], repeats: int
+    works: Mapping[str, tuple[Callable[[], object], Callable[[], None]]], repeats: int
 ) -> dict[str, float]:
     """The fastest of ``repeats`` timings of each work, each timed once right after its
     ``drop`` (not timed), taken in turn like `best_seconds_interleaved`."""
