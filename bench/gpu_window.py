@@ -21,7 +21,7 @@ cache emptied (``again_*``: a restore from kvharbor in a warm process). The slid
 model runs with asynchronous scheduling off (kvharbor refuses it for such a model), and once
 more with vLLM's default, to show what that default does. The large shapes (``7b``, ``gdn``)
 warm each engine up first with a prompt shorter than a chunk (first-request kernel builds are
-not the cache's doing), time each answer's steps (`bench.gpu_timeline.clock_request`:
+not the cache's doing), time each answer's steps (`gpu_timeline.clock_request`:
 ``steps_ms``, ``cpu_ms``) and add vLLM's own floor (``floor_*``: the same prefix from its GPU
 prefix cache, an uncached tail of the same length computed) and a cold answer of an unseen prompt
 in the warm process (``steady_cold_*``: the ratios against it leave out kernel builds that the
