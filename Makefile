@@ -33,6 +33,7 @@ lint:
 	.venv/bin/ruff check kvharbor tests bench
 	.venv/bin/ruff format --check kvharbor tests bench
 	.venv/bin/mypy kvharbor bench
+	.venv/bin/mypy --explicit-package-bases tests
 
 bench: setup
 	.venv/bin/python bench/keys.py
@@ -41,4 +42,4 @@ bench: setup
 	.venv/bin/python bench/ipc.py
 	.venv/bin/python bench/e2e.py
 	.venv/bin/python bench/shared.py
-	$(SGLANG_VENV)/bin/python bench/sglang.py
+	$(SGLANG_VENV)/bin/python bench/hicache.py

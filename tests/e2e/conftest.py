@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Generator, Iterator
 from pathlib import Path
 
+import pluggy
 import pytest
 from e2e_harness import Lab
 
@@ -18,7 +19,9 @@ _FAILED = pytest.StashKey[bool]()
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, None, None]:
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pluggy.Result[pytest.TestReport], None]:
     outcome = yield
     if outcome.get_result().failed:
         item.stash[_FAILED] = True

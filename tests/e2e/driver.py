@@ -200,7 +200,7 @@ def announce_release(release: str) -> None:
     from kvharbor.gateway.client import GatewayClient
 
     connect = GatewayClient.connect.__func__  # type: ignore[attr-defined]
-    GatewayClient.connect = classmethod(functools.partial(connect, release=release))  # type: ignore[method-assign]
+    GatewayClient.connect = classmethod(functools.partial(connect, release=release))  # type: ignore[assignment]
 
 
 def die_before_commit() -> None:
@@ -244,7 +244,12 @@ def main() -> int:
         kill_gateway_at_promise(spec["kill_gateway_at_promise"])
     from vllm import LLM
 
-    options = {"enforce_eager": True, "dtype": "float32", "max_model_len": 4096, "disable_log_stats": False}
+    options: dict[str, Any] = {
+        "enforce_eager": True,
+        "dtype": "float32",
+        "max_model_len": 4096,
+        "disable_log_stats": False,
+    }
     options.update(spec.get("llm", {}))
     llm = LLM(model=spec["model"], **options)
     run_rounds(llm, spec.get("rounds", []), after_round(spec))

@@ -142,8 +142,8 @@ def main(mode: str, config_path: str, *args: str) -> int:
         wait_for_cue()
     elif mode == "hold-get":
         keys = [bytes.fromhex(k) for k in args]
-        batch = client.get(FINGERPRINT, keys)
-        say(f"holding {len(batch.views)}")
+        held = client.get(FINGERPRINT, keys)
+        say(f"holding {len(held.views)}")
         wait_for_cue()
     elif mode == "get-stream":
         # Gets until the gateway fails; the test kills it mid-stream.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -35,6 +35,11 @@ return drawn;
 """
 """How many pixels of a chart's canvas have its first series' colour (#2f6fdf in dashboard.js):
 the line and points, not the axes and grid (grey)."""
+
+
+def series_drawn(chart: str) -> Callable[[webdriver.Chrome], bool]:
+    """Whether ``chart`` (a CSS selector) has drawn more than 20 pixels of its first series."""
+    return lambda browser: browser.execute_script(SERIES_PIXELS, chart) > 20
 
 
 @pytest.fixture
@@ -80,7 +85,7 @@ def test_the_page_shows_live_numbers_and_charts(lab: Lab, browser: webdriver.Chr
     # Each chart draws its first series (the hit rate of the interval that saw the lookups, the
     # RAM tier's usage, its evictions), not only axes.
     for chart in ("#chart-hit-rate", "#chart-usage", "#chart-evictions"):
-        wait.until(lambda b, chart=chart: b.execute_script(SERIES_PIXELS, chart) > 20)
+        wait.until(series_drawn(chart))
     wait.until(lambda b: "kvharbor: client 'browser-test'" in b.find_element(By.ID, "log").text)
     history_rates = browser.execute_script(
         "return fetch('api/history', {headers: {Authorization: 'Bearer ' + arguments[0]}})"

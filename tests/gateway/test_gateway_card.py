@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -49,7 +50,7 @@ def card_gateway_config(lab: Lab, tmp_path: Path, **breaker: float) -> tuple[Pat
     return path, control
 
 
-def card_cli(view: str, config_path: Path) -> dict[str, object]:
+def card_cli(view: str, config_path: Path) -> dict[str, Any]:
     """``kvharbor card VIEW --config FILE --json``, run as a user runs it."""
     shown = subprocess.run(
         [sys.executable, "-m", "kvharbor", "card", view, "--config", str(config_path), "--json"],

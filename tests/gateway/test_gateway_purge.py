@@ -14,6 +14,7 @@ import pytest
 from kvharbor.cache.keys import LayoutFingerprint, namespace_tag, short_digest
 from kvharbor.cache.purge import PurgeFilter
 from kvharbor.cli import main
+from kvharbor.config import FileTierSection
 from tests.support.real_gateway import RealGateway
 
 ALPHA = LayoutFingerprint(model_id="m", chunk_size=16, key_namespace="alpha")
@@ -70,7 +71,9 @@ def test_without_yes_it_says_what_would_go_per_tier_and_removes_nothing(
 
 
 def files_in(gw: RealGateway) -> int:
-    return sum(1 for path in Path(gw.config.storage.tiers[1].path).rglob("*") if path.is_file())
+    tier = gw.config.storage.tiers[1]
+    assert isinstance(tier, FileTierSection), tier
+    return sum(1 for path in Path(tier.path).rglob("*") if path.is_file())
 
 
 def test_namespace_purge_removes_that_namespace_from_every_tier_and_keeps_the_other(

@@ -52,7 +52,7 @@ def refill_status(gateway: GatewayProcess) -> RefillStatus:
     return refill
 
 
-def wait_refilled(gateway: GatewayProcess) -> dict[str, Any]:
+def wait_refilled(gateway: GatewayProcess) -> RefillStatus:
     wait_until(lambda: refill_status(gateway).state != "running", "the refill ends")
     return refill_status(gateway)
 

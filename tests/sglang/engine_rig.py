@@ -1,5 +1,5 @@
 """Run SGLang engine processes (`engine_worker.py`) with kvharbor, as the engine test and
-``bench/sglang.py`` (its engine phase) do.
+``bench/hicache.py`` (its engine phase) do.
 
 `write_config` gives the engines a kvharbor config of their own: the default embedded
 gateway, here with ``gateway.linger_s: 0``, so that it exits with its engine and the next

@@ -13,6 +13,7 @@ the kernel sees only that user: its socket credentials, its file access.
 from __future__ import annotations
 
 import importlib
+import importlib.abc
 import importlib.util
 import os
 import sys
@@ -55,7 +56,8 @@ def main_code(module: str) -> tuple[CodeType, dict[str, object]]:
     spec = importlib.util.find_spec(module)
     if spec is not None and spec.submodule_search_locations is not None:
         spec = importlib.util.find_spec(f"{module}.__main__")
-    code = spec.loader.get_code(spec.name) if spec is not None and spec.loader is not None else None
+    loader = spec.loader if spec is not None else None
+    code = loader.get_code(spec.name) if spec is not None and isinstance(loader, importlib.abc.InspectLoader) else None
     if spec is None or code is None:
         raise SystemExit(f"as_user: no module {module} to run")
     return code, {"__name__": "__main__", "__spec__": spec, "__file__": spec.origin, "__package__": spec.parent}

@@ -164,7 +164,7 @@ def _alignments(template: str, text: str) -> Iterator[list[str]]:
         if truncated and parts[0].startswith(body):
             yield []
         return
-    pos, held = len(parts[0]), []
+    pos, held = len(parts[0]), list[str]()
     for index, part in enumerate(parts[1:], start=1):
         last = index == len(parts) - 1
         found = body.find(part, pos)

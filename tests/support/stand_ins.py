@@ -29,7 +29,7 @@ def engine(**changes: Any) -> tuple[SimpleNamespace, SimpleNamespace]:
         device_config=SimpleNamespace(device_type="cpu"),
         scheduler_config=SimpleNamespace(watermark=0.01),
     )
-    spec = {"block_size": 128, "num_kv_heads": 2, "head_size": 64, "dtype": torch.float32}
+    spec: dict[str, Any] = {"block_size": 128, "num_kv_heads": 2, "head_size": 64, "dtype": torch.float32}
     spec.update(changes.pop("spec", {}))
     kv_cache_config = SimpleNamespace(
         num_blocks=2048,

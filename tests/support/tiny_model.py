@@ -65,7 +65,8 @@ def hybrid_model(source: Path, path: Path, seed: int = 0) -> Path:
         layer_types=["linear_attention", "full_attention"] * 2, max_position_embeddings=4096,
     )  # fmt: skip
     torch.manual_seed(seed)
-    model = Qwen3NextForCausalLM(config).to(torch.float32)
+    # .to (not .float()) also sets the config's dtype, which vLLM reads; transformers types its wrapper unbound.
+    model = Qwen3NextForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]
     with torch.no_grad():  # Loud Gated DeltaNet layers with a long memory: the answer depends on their state.
         for layer in model.model.layers:
             if hasattr(layer, "linear_attn"):

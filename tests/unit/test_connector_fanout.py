@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import pytest
 
@@ -47,11 +48,16 @@ def test_each_thread_takes_a_contiguous_run_in_order() -> None:
     assert sorted(order.values()) == [[10, 11], [12, 13, 14]]
 
 
+def thread_recorder(where: list[int]) -> Callable[[int], None]:
+    """An item's work that appends the thread it ran in to ``where``."""
+    return lambda item: where.append(threading.get_ident())
+
+
 def test_one_thread_or_one_item_runs_in_the_calling_thread() -> None:
     for threads, items in ((1, [1, 2, 3]), (4, [7])):
         fanout = Fanout(threads, "test-fanout")
         where: list[int] = []
-        fanout.run(lambda item, where=where: where.append(threading.get_ident()), items)
+        fanout.run(thread_recorder(where), items)
         assert where == [threading.get_ident()] * len(items)
         assert fanout._pool is None  # No thread was started for it.
 

@@ -51,7 +51,8 @@ def test_any_field_changes_the_fingerprint(field: str) -> None:
 def test_every_variant_and_every_rank_has_its_own_fingerprint() -> None:
     seen = [d for variant in VARIANTS.values() for d in digests(**copy.deepcopy(variant))] + list(digests())
     assert len(seen) == len(set(seen))
-    tp2 = digests(**{"parallel_config.tensor_parallel_size": 2})
+    tp: dict[str, Any] = {"parallel_config.tensor_parallel_size": 2}
+    tp2 = digests(**tp)
     assert len(tp2) == 2 and tp2[0] != tp2[1]  # Each rank holds other bytes.
 
 
@@ -65,7 +66,7 @@ def test_a_chunk_that_is_not_whole_blocks_is_refused_with_both_numbers() -> None
 
 def test_an_unset_chunk_size_is_rounded_up_to_whole_blocks() -> None:
     """Hybrid models run with large blocks: the default 256 becomes the first multiple of them."""
-    blocks_of = {"cache_config.block_size": 512, "spec": {"block_size": 512}}
+    blocks_of: dict[str, Any] = {"cache_config.block_size": 512, "spec": {"block_size": 512}}
     layout = build_layout(*engine(**copy.deepcopy(blocks_of)), load_config(environ={}))
     assert (layout.chunk_size, layout.blocks_per_chunk) == (512, 1)
     assert layout.fingerprints[0].chunk_size == 512
@@ -76,7 +77,7 @@ def test_an_unset_chunk_size_is_rounded_up_to_whole_blocks() -> None:
 
 
 def test_a_chunk_size_that_was_set_is_kept_or_refused() -> None:
-    blocks_of = {"cache_config.block_size": 512, "spec": {"block_size": 512}}
+    blocks_of: dict[str, Any] = {"cache_config.block_size": 512, "spec": {"block_size": 512}}
     with pytest.raises(ConnectorRefusal, match=r"engine.chunk_size 256 must be a multiple of vLLM's block size 512"):
         digests(chunk_size=256, **copy.deepcopy(blocks_of))
     config = load_config(environ={"KVHARBOR__ENGINE__CHUNK_SIZE": "1024"})

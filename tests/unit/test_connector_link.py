@@ -62,7 +62,7 @@ def test_a_refusal_costs_only_that_request(real_gateway: RealGateway, caplog: py
 
     client = link._client
     assert client is not None
-    client.probe = refuse  # type: ignore[method-assign]
+    client.probe = refuse  # type: ignore[assignment]
     with caplog.at_level(logging.WARNING, "kvharbor"):
         assert link.lookup(KEYS, 256).hits == 0
         assert link.lookup(KEYS, 256).hits == 0

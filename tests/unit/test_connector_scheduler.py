@@ -61,6 +61,7 @@ def test_a_miss_saves_each_chunk_once_across_chunked_prefill(tiny_model: Path, r
 
     assert [s.scheduled("r") for s in steps[:2]] == [512, 489]
     cached = steps[1].output.scheduled_cached_reqs
+    assert cached.new_block_ids[0] is not None, "the prompt's second step got no new blocks"
     blocks = list(steps[0].new_request("r").block_ids[0]) + list(cached.new_block_ids[0][0])
     assert len(blocks) == 8
     # Step 1 computed 512 tokens: chunks 0 and 1. Step 2 finished the prompt: chunk 2
@@ -165,7 +166,9 @@ def test_a_preempted_request_resumes_from_its_saved_chunks(tiny_model: Path, rea
     assert preempted, "the rig did not preempt: the test proves nothing"
     [resume] = [s for s in steps[preempted[0] :] if "other" in s.output.scheduled_cached_reqs.resumed_req_ids]
     cached = resume.output.scheduled_cached_reqs
-    blocks = list(cached.new_block_ids[cached.req_ids.index("other")][0])
+    resumed = cached.new_block_ids[cached.req_ids.index("other")]
+    assert resumed is not None, "the resumed request got no blocks"
+    blocks = list(resumed[0])
     # Its prompt chunks were saved during its first prefill: they come back into its new blocks.
     [load] = resume.meta.loads
     assert load.request_id == "other"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -43,7 +44,7 @@ def test_payload_survives_the_trip_to_the_front_end() -> None:
 
 def test_prometheus_series_count_each_step_and_hold_cache_off() -> None:
     registry = CollectorRegistry()
-    types = {cls: functools.partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}
+    types: dict[type, Any] = {cls: functools.partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}
     labels = {"model_name": "tiny", "engine": "0"}
     engine = SimpleNamespace(kv_transfer_config=None)
     metrics = KVHarborPromMetrics(engine, types, list(labels), {0: list(labels.values())})

@@ -243,7 +243,7 @@ def test_a_restore_prepared_at_the_step_start_runs_on_the_loader_thread(real_gat
             threads.append(threading.current_thread().name)
             return real_load(*args)
 
-        path.load = load  # type: ignore[method-assign]
+        path.load = load  # type: ignore[assignment]
         side.prepare_load(meta)
         assert side._loading is not None
         assert side._loading.restores is not None

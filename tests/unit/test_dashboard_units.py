@@ -10,7 +10,7 @@ from starlette.testclient import TestClient
 
 from kvharbor.cache.store import StoreStatus
 from kvharbor.cache.tier import TierStatus
-from kvharbor.config import DashboardSection, load_config
+from kvharbor.config import Config, DashboardSection, load_config
 from kvharbor.dashboard.app import build_app
 from kvharbor.dashboard.config_edit import ConfigEditor, ConfigEditRefused, leaves
 from kvharbor.dashboard.guard import exposure_problem, host_name
@@ -84,7 +84,7 @@ def test_the_editor_sorts_changed_keys_and_refuses_without_a_file(tmp_path: Path
     path = tmp_path / "kvharbor.yaml"
     path.write_text("dashboard:\n  allow_config_edit: true\n")
     running = load_config(path, environ={})
-    applied = []
+    applied: list[Config] = []
     editor = ConfigEditor(path, lambda: running, applied.append, environ={})
     outcome = editor.edit({"dashboard": {"allowed_hosts": ["kv.example"]}, "gateway": {"ring_mb": 2048}})
     assert (outcome.applied_now, outcome.at_next_start) == (["dashboard.allowed_hosts"], ["gateway.ring_mb"])

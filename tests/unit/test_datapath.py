@@ -18,23 +18,23 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
-from kvharbor.config import Config, EngineSection  # noqa: E402
-from kvharbor.connector.link import CacheLink, RankSwitch  # noqa: E402
-from kvharbor.connector.vllm.chunks import ChunkPart  # noqa: E402
-from kvharbor.connector.vllm.copier import PageCopy  # noqa: E402
-from kvharbor.connector.vllm.datapath import DataPath  # noqa: E402
-from kvharbor.connector.vllm.device_copy import DeviceCopy  # noqa: E402
-from kvharbor.connector.vllm.host_copy import HostCopy  # noqa: E402
-from kvharbor.connector.vllm.metadata import ChunkTransfer, KVHarborMetadata  # noqa: E402
-from kvharbor.connector.vllm.pages import block_first, block_major  # noqa: E402
-from kvharbor.connector.vllm.pinning import PinError, PinnedMapping  # noqa: E402
-from kvharbor.connector.vllm.timing import StepTimer  # noqa: E402
-from kvharbor.gateway.client import GatewayRefused, GatewayUnavailable, GetBatch  # noqa: E402
-from kvharbor.gateway.protocol import ErrorCode  # noqa: E402
+from kvharbor.config import Config, EngineSection
+from kvharbor.connector.link import CacheLink, RankSwitch
+from kvharbor.connector.vllm.chunks import ChunkPart
+from kvharbor.connector.vllm.copier import PageCopy, Wait
+from kvharbor.connector.vllm.datapath import DataPath
+from kvharbor.connector.vllm.device_copy import DeviceCopy
+from kvharbor.connector.vllm.host_copy import HostCopy
+from kvharbor.connector.vllm.metadata import ChunkTransfer, KVHarborMetadata
+from kvharbor.connector.vllm.pages import block_first, block_major
+from kvharbor.connector.vllm.pinning import PinError, PinnedMapping
+from kvharbor.connector.vllm.timing import StepTimer
+from kvharbor.gateway.client import GatewayRefused, GatewayUnavailable, GetBatch
+from kvharbor.gateway.protocol import ErrorCode
 
 BLOCKS = 40
 HEADS, TOKENS, HEAD2 = 2, 16, 8  # per layer: (blocks, heads, tokens, 2*head)
@@ -323,6 +323,8 @@ class FakeClient:
         self.held: set[int] = set()
         self.held_most = 0
         self.refuse_release: int | None = None
+        self.error: Exception = GatewayUnavailable("a get failed (the test's fault)")
+        """What the ``fail_get``-th get raises."""
 
     def get(self, fingerprint: bytes, keys: list[bytes]) -> GetBatch:
         self.gets += 1
@@ -465,7 +467,7 @@ def test_load_streamed_stops_at_the_first_miss_and_when_told() -> None:
 def test_load_streamed_after_a_refusal_keeps_what_was_copied() -> None:
     events: list[str] = []
     client = FakeClient({k: b"x" for k in KEYS}, events, fail_get=2)
-    client.error = GatewayRefused(ErrorCode.BUSY, "busy")  # type: ignore[attr-defined]
+    client.error = GatewayRefused(ErrorCode.BUSY, "busy")
     done, _, link = streamed(client, KEYS, 3)
     assert done == 3 and events == ["get1", "wait1", "release1"] and not link.is_off
 
@@ -487,7 +489,7 @@ def test_load_streamed_waits_for_every_copy_under_way_when_a_release_is_refused(
 def test_load_streamed_after_a_lost_gateway_counts_nothing_in_flight() -> None:
     events: list[str] = []
     client = FakeClient({k: b"x" for k in KEYS}, events, fail_get=3)
-    client.error = GatewayUnavailable("gone")  # type: ignore[attr-defined]
+    client.error = GatewayUnavailable("gone")
     done, _, link = streamed(client, KEYS, 3)
     # Request 2's copies were waited for, but its memory may have been reused: not counted.
     assert done == 3 and events == ["get1", "get2", "wait1", "release1", "wait2"] and link.is_off
@@ -520,7 +522,7 @@ def test_load_streamed_streams_a_held_request_whose_values_came_through_the_ring
 def test_load_streamed_drops_what_it_held_when_a_later_request_fails() -> None:
     events: list[str] = []
     client = FakeClient({k: b"x" for k in KEYS}, events, fail_get=3)
-    client.error = GatewayRefused(ErrorCode.BUSY, "busy")  # type: ignore[attr-defined]
+    client.error = GatewayRefused(ErrorCode.BUSY, "busy")
     done, _, link = streamed(client, KEYS, 2, hold_from=2)
     # Request 2 was held, never copied: dropped and given back, not counted; request 1 was.
     assert done == 2 and not link.is_off and not client.held
@@ -809,8 +811,17 @@ def test_a_load_told_when_answered_copies_its_last_requests_layer_by_layer(gatew
         order: list[str] = []
         copy = loader.copy
         real_flush, real_held = copy.flush_load, copy.flush_held
-        copy.flush_load = lambda m: order.append("flush") or real_flush(m)  # type: ignore[method-assign,func-returns-value]
-        copy.flush_held = lambda m: order.append("flush_held") or real_held(m)  # type: ignore[method-assign,func-returns-value]
+
+        def flush_load(mapping: PinnedMapping) -> Wait:
+            order.append("flush")
+            return real_flush(mapping)
+
+        def flush_held(mapping: PinnedMapping) -> Wait:
+            order.append("flush_held")
+            return real_held(mapping)
+
+        copy.flush_load = flush_load  # type: ignore[method-assign]
+        copy.flush_held = flush_held  # type: ignore[method-assign]
         load = ChunkTransfer("r", [keys], block_ids=[list(range(20, 35))], skip_blocks=1)
         loader.begin_loads()
         assert loader.load(load, answered=lambda b: order.append(f"answered{b}")) == 15

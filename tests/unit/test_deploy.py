@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from kvharbor.cli import build_parser
-from kvharbor.config import Config, load_config
+from kvharbor.config import Config, FileTierSection, load_config
 
 DEPLOY = Path(__file__).resolve().parents[2] / "docs" / "deploy"
 UNIT = DEPLOY / "kvharbor-gateway.service"
@@ -129,7 +129,7 @@ def test_the_sidecar_shares_shm_and_the_socket_and_is_probed_on_readyz(tmp_path:
     assert volumes[mounts(gateway)[shm]]["emptyDir"]["medium"] == "Memory"
 
     # The file tier is on a volume that outlives the pod, mounted in the gateway only.
-    (file_tier,) = [t for t in config.storage.tiers if t.type == "file"]
+    (file_tier,) = [t for t in config.storage.tiers if isinstance(t, FileTierSection)]
     assert "persistentVolumeClaim" in volumes[mounts(gateway)[file_tier.path]]
     assert file_tier.path not in mounts(engine)
 

@@ -152,7 +152,7 @@ class Reads:
             self.ranges.append((offset, offset + n, threading.get_ident()))
             return n
 
-        os.preadv = recorded  # type: ignore[assignment]
+        os.preadv = recorded
         return self
 
     def __exit__(self, *exc: object) -> None:

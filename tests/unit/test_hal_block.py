@@ -11,8 +11,9 @@ import os
 import random
 import struct
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -54,7 +55,12 @@ def value(n: int, nbytes: int = 20_000) -> bytes:
     return n.to_bytes(4, "big") * (nbytes // 4)
 
 
-def open_store(path: Path | str, **options: object) -> BlockStoreDevice:
+def collector(into: list[bytes]) -> Callable[[memoryview], None]:
+    """A streamed get's consumer that keeps a copy of each slice in ``into``."""
+    return lambda piece: into.append(bytes(piece))
+
+
+def open_store(path: Path | str, **options: Any) -> BlockStoreDevice:
     return BlockStoreDevice(
         "card", str(path), VALUE_MAX_BYTES, region_bytes=REGION_BYTES, create_bytes=STORE_BYTES, **options
     )
@@ -361,7 +367,7 @@ def test_a_block_aligned_payload_is_written_where_it_lies_and_comes_back_whole(t
         for k in (key(1), key(2)):
             assert store.get(k, into) == total and bytes(into) == header + data
             slices: list[bytes] = []
-            assert store.get_streamed(k, into, lambda piece, got=slices: got.append(bytes(piece))) == total
+            assert store.get_streamed(k, into, collector(slices)) == total
             assert b"".join(slices) == header + data
             assert store.peek(k, into[: len(header) + 10]) == len(header) + 10
             assert bytes(into[: len(header) + 10]) == header + data[:10]

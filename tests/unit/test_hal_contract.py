@@ -298,7 +298,7 @@ class DeviceMatchesADict(RuleBasedStateMachine):
 
 
 def _machine_for(driver: str) -> type[RuleBasedStateMachine]:
-    machine = type(f"{driver.title()}MatchesADict", (DeviceMatchesADict,), {"driver": driver})
+    machine: type[DeviceMatchesADict] = type(f"{driver.title()}MatchesADict", (DeviceMatchesADict,), {"driver": driver})
     # Each example opens a device; an S3 client to a real server takes ~1 s to open here.
     examples = 6 if driver == "s3" else 25
     machine.TestCase.settings = settings(max_examples=examples, stateful_step_count=20, deadline=None)

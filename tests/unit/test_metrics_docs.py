@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -45,7 +46,7 @@ def test_every_gateway_metric_is_documented_and_every_documented_one_registered(
 
 def test_every_engine_stat_is_documented_and_is_what_vllm_registers() -> None:
     registry = CollectorRegistry()
-    types = {cls: functools.partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}
+    types: dict[type, Any] = {cls: functools.partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}
     labels = ["model_name", "engine"]
     from kvharbor.connector.vllm.stats import KVHarborPromMetrics
 

@@ -67,7 +67,10 @@ def shared(tmp_path: Path) -> tuple[Path, dict[bytes, bytes]]:
     root = tmp_path / "tier"
     writer = FileDevice("other-releases", str(root), OBJECT_MAX_BYTES)
     old, new = new_key(), new_key()
-    objects = {old: v1_object(old, FINGERPRINT, os.urandom(VALUE_BYTES)), new: future_object(os.urandom(VALUE_BYTES))}
+    objects: dict[bytes, bytes] = {
+        old: v1_object(old, FINGERPRINT, os.urandom(VALUE_BYTES)),
+        new: future_object(os.urandom(VALUE_BYTES)),
+    }
     for key, data in objects.items():
         writer.put(key, [data])
     writer.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -39,7 +40,7 @@ def nvme_printing(tmp_path: Path, smart: str, ocp: str | None) -> NvmeCli:
     return NvmeCli(str(script), timeout_s=30)
 
 
-def card(tmp_path: Path, smart: str, ocp: str | None = None, **standin: int) -> NvmeKvDevice:
+def card(tmp_path: Path, smart: str, ocp: str | None = None, **standin: Any) -> NvmeKvDevice:
     admin = NvmeAdmin("/dev/ng0n1", nvme_printing(tmp_path, smart, ocp))
     return open_kv_namespace("card", "/dev/null", 1 << 20, KvNamespaceStandIn(**standin), admin)
 
@@ -118,7 +119,7 @@ def nvme_tier(device: NvmeKvDevice, **card_settings: object) -> Tier:
     [{"value_bytes_max": 8192}, {"value_bytes_max": 64 * 1024, "mdts": 1}],
     ids=["namespace maximum value length", "controller MDTS of 2 pages"],
 )
-def test_the_tier_fragments_values_to_the_largest_one_command_carries(tmp_path: Path, limit: dict[str, int]) -> None:
+def test_the_tier_fragments_values_to_the_largest_one_command_carries(tmp_path: Path, limit: dict[str, Any]) -> None:
     standin = KvNamespaceStandIn(capacity_bytes=1 << 20, **limit)
     admin = NvmeAdmin("/dev/ng0n1", nvme_printing(tmp_path, "smart_log_v2.7.jsonc", None))
     tier = nvme_tier(open_kv_namespace("card", "/dev/null", 1 << 20, standin, admin), key_eviction=False)

@@ -175,7 +175,12 @@ def test_a_put_with_its_checksum_known_stores_it_in_every_tier_without_hashing_i
     key, value = new_key(), new_value()
     hashed: list[int] = []
     real = format_module.checksum
-    monkeypatch.setattr(format_module, "checksum", lambda data: hashed.append(len(data)) or real(data))
+
+    def checksum(data: Buffer) -> int:
+        hashed.append(len(data))
+        return real(data)
+
+    monkeypatch.setattr(format_module, "checksum", checksum)
     assert store.put(key, FINGERPRINT, value, value_checksum=real(value))
     assert VALUE_BYTES not in hashed, "a tier hashed the value whose checksum it was given"
     for tier in store.tiers:

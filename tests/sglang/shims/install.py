@@ -18,11 +18,11 @@ STAND_INS = ("torchvision", "sgl_kernel")
 
 
 def _no_amx(module: ModuleType) -> None:
-    module.cpu_has_amx_support = lambda: False
+    vars(module).update(cpu_has_amx_support=lambda: False)
 
 
 def _no_host_register(module: ModuleType) -> None:
-    module._cuda_host_register = lambda buffer, registration_granularity_bytes=None: None
+    vars(module).update(_cuda_host_register=lambda buffer, registration_granularity_bytes=None: None)
 
 
 def _unpinned_host_pools(module: ModuleType) -> None:
@@ -49,7 +49,7 @@ def transfer_kv_direct(
 
 
 def _torch_page_copy(module: ModuleType) -> None:
-    module.transfer_kv_direct = transfer_kv_direct
+    vars(module).update(transfer_kv_direct=transfer_kv_direct)
 
 
 class _Hook(importlib.abc.MetaPathFinder):

@@ -1,6 +1,6 @@
 """SGLang's zero-copy page calls through a real gateway, against memcpy of the same bytes.
 
-Run with the SGLang venv (scripts/setup-sglang.sh): ``.venv-sglang/bin/python bench/sglang.py``.
+Run with the SGLang venv (scripts/setup-sglang.sh): ``.venv-sglang/bin/python bench/hicache.py``.
 kvharbor's backend (`KVHarborStorage`) on SGLang's real CPU host KV pool, a ``kvharbor
 gateway`` subprocess with a RAM tier; in one run, best of ``--repeats``:
 
@@ -37,10 +37,6 @@ sys.path.insert(0, str(BENCH.parent))
 
 from common import best_seconds, emit  # noqa: E402
 from ipc import gateway  # noqa: E402
-
-# This file's folder is first on sys.path, and this file is named sglang: SGLang must be found
-# in site-packages instead.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != BENCH]
 
 from tests.sglang.shims.install import install  # noqa: E402
 
