@@ -68,6 +68,14 @@ TRACE = REPO.parent / "shared" / "data" / "traces" / "mooncake_conversation_trac
 GIB = 1 << 30
 START_TIMEOUT_S = 600.0
 """Bound on one engine's start (a GPU engine with dummy weights: ~60 s first, ~20 s after)."""
+ENGINE_COUNTERS = (
+    "vllm:kvharbor_",
+    "vllm:kv_offload",
+    "vllm:prefix_cache",
+    "vllm:external_prefix",
+    "vllm:prompt_tokens",
+)
+"""The engine's counters each mode's result carries as they were read (their deltas over the run)."""
 REASON_LINES = 3
 """Lines of a failed engine's log that say why (its last lines naming an error)."""
 
@@ -124,7 +132,9 @@ def kvharbor_document(budget: Budget, work: Path, chunk_tokens: int) -> dict[str
     runtime.mkdir(parents=True, exist_ok=True)
     return {
         "engine": {"chunk_size": chunk_tokens},
-        "gateway": {"socket": str(runtime / "gw.sock"), "shm_name": f"kvh-serve-{os.getpid()}"},
+        # Lingering past a restart (the next engine attaches within a minute or two), but not
+        # for the default 600 s: its RAM tier would hold the host RAM the next mode is given.
+        "gateway": {"socket": str(runtime / "gw.sock"), "shm_name": f"kvh-serve-{os.getpid()}", "linger_s": 180},
         "storage": {
             "tiers": [
                 {"name": "ram", "type": "ram", "capacity_gb": budget.cpu_bytes / GIB},
@@ -315,6 +325,9 @@ def figures(
     }
     result["bytes"] = moved_bytes(mode, counters, tiers)
     result["saves_dropped_chunks"] = counters.get("vllm:kvharbor_save_dropped_total")
+    result["engine_counters"] = {
+        name: value for name, value in counters.items() if name.startswith(ENGINE_COUNTERS) and value
+    }
     if mode.name == "kvharbor":
         result["tiers"] = dict(tiers)
     if run.restart:
@@ -439,7 +452,7 @@ def planner_prediction(
     answer = subprocess.run(command, capture_output=True, text=True, check=False)
     if answer.returncode != 0:
         return {"error": answer.stderr.strip()[-400:], "command": " ".join(command)}
-    predicted = json.loads(answer.stdout.splitlines()[-1])["results"][0]
+    predicted = json.loads(answer.stdout)["results"][0]
     return {
         "command": " ".join(command),
         "capacity_tokens": capacity_tokens,
