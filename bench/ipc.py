@@ -22,7 +22,11 @@ Against a real ``kvharbor gateway`` subprocess with a RAM tier, in one run:
 - **memory**: the gateway's anonymous RSS per stored key, after ``--keys``
   small values, and what is left of it once any stored bytes held there are
   subtracted (the index and the per-object overhead; values of a RAM tier in
-  the segment are shared memory, not anonymous).
+  the segment are shared memory, not anonymous). Beside it, what each value
+  takes in the RAM tier: its object (the value and its header) and the tier's
+  allocation of it (`kvharbor.hal.slabs`), how many such values its capacity
+  holds, and how many of the ``--keys`` it kept (a tier that evicted some
+  says so, with how full it was).
 
 Figures are the best of several timings (the least disturbed run) for
 throughput, and percentiles over every sample for round trips. Nothing is
@@ -362,6 +366,9 @@ def percentile(sorted_values: list[int], fraction: float) -> float:
 
 
 def memory_per_key(section: GatewaySection, pid: int, keys: int, value_bytes: int) -> dict[str, float]:
+    """Store ``keys`` values of ``value_bytes`` in the gateway's RAM tier: its RSS per key, and
+    what each value takes in the tier (see the module docstring). Per-key figures are over
+    the values the tier kept (``ram_kept_keys``; fewer than ``keys`` if it evicted)."""
     client = GatewayClient.connect(section, "bench-memory")
     value = os.urandom(value_bytes)
     try:
@@ -370,25 +377,58 @@ def memory_per_key(section: GatewaySection, pid: int, keys: int, value_bytes: in
         for start in range(0, keys, MEMORY_BATCH):
             items = [(i.to_bytes(16, "little"), value_bytes) for i in range(start, min(keys, start + MEMORY_BATCH))]
             batch = client.prepare_put(FINGERPRINT, items)
-            for view in batch.views:
-                assert view is not None
+            lent = [view for view in batch.views if view is not None]
+            for view in lent:
                 view[:] = value
-            assert client.commit_put(batch) == len(items)
+            if client.commit_put(batch) != len(items):
+                raise SystemExit(
+                    f"memory: the gateway stored {len(lent)} of a batch of {len(items)} values of {value_bytes} B "
+                    "(no room lent for the rest by the request's deadline: its ring or its RAM tier is full)"
+                )
         after = rss(pid)
         status = client.status()
     finally:
         client.close()
-    stored = status.store.tiers[0]
-    assert stored.keys == keys, stored
+    tier = status.store.tiers[0]
+    kept = tier.keys
+    if kept <= 0:
+        raise SystemExit(f"memory: the RAM tier holds no value after {keys} puts: {tier}")
     values_in_segment = status.shm.bytes > status.shm.ring_bytes
     grown = after["RssAnon"] - before["RssAnon"]
-    values_anon = 0 if values_in_segment else keys * (value_bytes + HEADER_BYTES)
+    values_anon = 0 if values_in_segment else tier.used_bytes
+    allocated = tier.allocated_bytes / kept
     return {
-        "rss_bytes_per_key": grown / keys,
-        "index_bytes_per_key": (grown - values_anon) / keys,
+        "rss_bytes_per_key": grown / kept,
+        "index_bytes_per_key": (grown - values_anon) / kept,
         "rss_mb": after["VmRSS"] / MIB,
         "rss_anon_mb": after["RssAnon"] / MIB,
+        "ram_kept_keys": kept,
+        "ram_evictions": tier.counters.evictions,
+        "ram_object_bytes_per_key": tier.used_bytes / kept,
+        "ram_allocated_bytes_per_key": allocated,
+        "ram_overhead_bytes_per_key": allocated - value_bytes,
+        "ram_values_fit": tier.capacity_bytes // allocated,
+        "ram_capacity_mb": tier.capacity_bytes / MIB,
+        "ram_allocated_mb": tier.allocated_bytes / MIB,
     }
+
+
+def ram_tier_text(figures: dict[str, float], keys: int, value_bytes: int) -> str:
+    """What the memory part found in the RAM tier, in a line or two: each value's room in it
+    (its object, and the allocation beyond), how many fit, and whether it kept every value."""
+    kept, evictions = int(figures["gateway_ram_kept_keys"]), int(figures["gateway_ram_evictions"])
+    allocated = figures["gateway_ram_allocated_bytes_per_key"]
+    object_bytes = figures["gateway_ram_object_bytes_per_key"]
+    capacity_mb, taken_mb = figures["gateway_ram_capacity_mb"], figures["gateway_ram_allocated_mb"]
+    text = (
+        f"RAM tier: a value of {value_bytes} B takes {allocated:.0f} B, {allocated / value_bytes:.1f} x its size "
+        f"(its object {object_bytes:.0f} B with the {HEADER_BYTES} B header, and {allocated - object_bytes:.0f} B "
+        f"of allocation); {figures['gateway_ram_values_fit']:.0f} such values fit its {capacity_mb:.0f} MiB"
+    )
+    if kept == keys:
+        return f"{text}; all {keys} kept ({taken_mb:.0f} MiB taken)"
+    taken = f"{taken_mb:.0f} of {capacity_mb:.0f} MiB taken"
+    return f"{text}\nRAM tier kept only {kept} of {keys}: {evictions} evicted, {taken}"
 
 
 # -- main ---------------------------------------------------------------------------------
@@ -518,8 +558,9 @@ def main() -> None:
         f"gateway memory: {figures['gateway_rss_bytes_per_key']:.0f} B RSS per key of {args.value_bytes} B, "
         f"{figures['gateway_index_bytes_per_key']:.0f} B of it beyond the stored object "
         f"(target <= {TARGETS['index_bytes_per_key']:.0f}); RSS {figures['gateway_rss_mb']:.0f} MiB "
-        f"for {args.keys} keys and a {ring_mb_small} MiB ring"
+        f"for {figures['gateway_ram_kept_keys']:.0f} keys and a {ring_mb_small} MiB ring"
     )
+    print(ram_tier_text(figures, args.keys, args.value_bytes))
     emit(figures, ratios, args.json)
 
 

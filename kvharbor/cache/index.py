@@ -1,5 +1,11 @@
 """What a tier knows it holds: key, size, last access — and its byte budget.
 
+The budget counts what each value takes on its device (`Entry.allocated_bytes`: its
+bytes and the device's rounding of them, `kvharbor.hal.base.Device.allocation_bytes`),
+not its bytes alone: a tier whose values are small beside the device's unit of
+allocation would otherwise evict while its figures said it was half empty, or promise
+room its device does not have.
+
 The index, not the device, decides eviction: a device only stores bytes. Two
 kinds exist: `MemoryIndex` for tiers that live and die with one process (RAM),
 and the SQLite manifest (`kvharbor.cache.manifest`) for tiers that outlive it
@@ -33,6 +39,14 @@ class Entry:
     """The layout fingerprint the value is stored under (its header's), which the index
     counts objects by (`TierIndex.layout_counts`); empty where a caller has none to give
     (tools and tests that build an index by hand): counted under the empty fingerprint."""
+    slack_bytes: int = 0
+    """What the device takes beyond ``nbytes`` (its rounding of every part, see
+    `kvharbor.hal.base.Device.allocation_bytes`); below `SLACK_BYTES_MAX`."""
+
+    @property
+    def allocated_bytes(self) -> int:
+        """What the value takes on the device: what a budget counts."""
+        return self.nbytes + self.slack_bytes
 
 
 class OverBudget(Exception):
@@ -75,7 +89,14 @@ class TierIndex(ABC):
         return [None if (entry := self.get(key)) is None else entry.nbytes for key in keys]
 
     @abstractmethod
-    def used_bytes(self) -> int: ...
+    def used_bytes(self) -> int:
+        """Bytes of the entries (`Entry.nbytes`)."""
+
+    def allocated_bytes(self) -> int:
+        """What the entries take on the device (`Entry.allocated_bytes`): what the budget
+        counts. The default is for indexes that keep no slack (the manifest, the shared
+        index: their devices' values take their bytes)."""
+        return self.used_bytes()
 
     @abstractmethod
     def count(self) -> int: ...
@@ -102,10 +123,26 @@ class TierIndex(ABC):
         pass
 
 
-def check_admission(entry: Entry, budget_bytes: int) -> None:
+SLACK_BYTES_MAX = 1 << 32
+"""An entry's slack is below this (a 32-bit field of `MemoryIndex`): each part's rounding is
+below a page or slab slot, and a value has at most `kvharbor.cache.format.FRAGMENTS_MAX` parts."""
+
+
+def check_entry(entry: Entry) -> None:
+    """Raise ValueError for an entry an index cannot hold (its slack out of range)."""
     assert entry.nbytes > 0 and entry.parts >= 1, entry
-    if entry.nbytes > budget_bytes:
-        raise OverBudget(f"a value of {entry.nbytes} bytes exceeds the tier budget of {budget_bytes}")
+    if not 0 <= entry.slack_bytes < SLACK_BYTES_MAX:
+        raise ValueError(f"an entry's slack of {entry.slack_bytes} bytes is outside 0..{SLACK_BYTES_MAX - 1}")
+
+
+def check_admission(entry: Entry, budget_bytes: int) -> None:
+    """`check_entry`, and `OverBudget` for a value that alone takes more than the budget."""
+    check_entry(entry)
+    if entry.allocated_bytes > budget_bytes:
+        raise OverBudget(
+            f"a value taking {entry.allocated_bytes} bytes ({entry.nbytes} of its own) exceeds the tier budget "
+            f"of {budget_bytes}"
+        )
 
 
 _NBYTES = 0
@@ -119,9 +156,12 @@ _USED_S = 4
 2106); an entry rebuilt from a device scan is stamped at the rebuild: used then at the latest."""
 _LAYOUT = 5
 """The ordinal of the entry's fingerprint in the index's layout table."""
-_FIELDS = "QIIIIH"
+_SLACK = 6
+"""`Entry.slack_bytes`."""
+_FIELDS = "QIIIIHI"
 """64 bits for the size, 32 for the fragment count (at most `FRAGMENTS_MAX`), the links
-(record ids fit in 31 bits) and the last use, 16 for the layout ordinal."""
+(record ids fit in 31 bits) and the last use, 16 for the layout ordinal, 32 for the slack
+(`SLACK_BYTES_MAX`)."""
 LAYOUTS_MAX = 1 << 16
 """Distinct fingerprints one `MemoryIndex` can tell apart (a 16-bit ordinal per entry); an
 ordinal whose last entry left is reused."""
@@ -136,7 +176,7 @@ _LRU_END = (1 << 32) - 1
 
 
 class MemoryIndex(TierIndex):
-    """An LRU index in one process, in a `KeyTable`: about 50 bytes per key.
+    """An LRU index in one process, in a `KeyTable`: about 55 bytes per key.
 
     Each key's record holds its size, its fragment count, its two neighbours
     in a doubly linked LRU list threaded through the record ids, least recently
@@ -151,6 +191,7 @@ class MemoryIndex(TierIndex):
         self._oldest = _LRU_END
         self._newest = _LRU_END
         self._used_bytes = 0
+        self._allocated_bytes = 0
         self._layouts = _LayoutTable()
         self._lock = threading.Lock()
 
@@ -164,20 +205,21 @@ class MemoryIndex(TierIndex):
             if behind:
                 self._admit_behind(entry, own, budget_bytes)
                 return []
-            used = self._used_bytes - (table.get(own, _NBYTES) if own != NO_RECORD else 0)
+            taken = self._allocated_bytes - (self._allocated(own) if own != NO_RECORD else 0)
+            need = entry.allocated_bytes
             # Choose first, change after: a refusal must leave the index as it was.
             victims: list[Entry] = []
             record = self._oldest
-            while record != _LRU_END and used + entry.nbytes > budget_bytes:
+            while record != _LRU_END and taken + need > budget_bytes:
                 if record != own:
                     key = table.key_of(record)
                     if key not in pinned:
                         victim = self._entry(record)
                         victims.append(victim)
-                        used -= victim.nbytes
+                        taken -= victim.allocated_bytes
                 record = table.get(record, _NEWER)
-            if used + entry.nbytes > budget_bytes:
-                raise OverBudget(f"{entry.nbytes} bytes do not fit the budget of {budget_bytes}: the rest is pinned")
+            if taken + need > budget_bytes:
+                raise OverBudget(f"{need} bytes do not fit the budget of {budget_bytes}: the rest is pinned")
             self._layouts.check_room(entry.fingerprint)
             for victim in victims:
                 self._forget(victim.key)
@@ -185,12 +227,11 @@ class MemoryIndex(TierIndex):
                 own = table.insert(entry.key)
             else:
                 self._unlink(own)
-                self._used_bytes -= table.get(own, _NBYTES)
-                self._layouts.release(table.get(own, _LAYOUT))
+                self._uncount(own)
             self._fill(own, entry, _now_s())
             self._link_newest(own)
-            assert self._used_bytes == used + entry.nbytes, (self._used_bytes, used, entry.nbytes)
-        assert 0 < self._used_bytes <= budget_bytes
+            assert self._allocated_bytes == taken + need, (self._allocated_bytes, taken, need)
+        assert 0 < self._allocated_bytes <= budget_bytes
         return victims
 
     def touch(self, keys: Sequence[bytes]) -> None:
@@ -230,6 +271,9 @@ class MemoryIndex(TierIndex):
     def used_bytes(self) -> int:
         return self._used_bytes
 
+    def allocated_bytes(self) -> int:
+        return self._allocated_bytes
+
     def count(self) -> int:
         return len(self._table)
 
@@ -257,9 +301,10 @@ class MemoryIndex(TierIndex):
             # A fresh table, not emptied arrays: the memory of a larger past goes back.
             self._table = KeyTable(_FIELDS)
             self._oldest = self._newest = _LRU_END
-            self._used_bytes = 0
+            self._used_bytes = self._allocated_bytes = 0
             self._layouts = _LayoutTable()
             for entry in entries:
+                check_entry(entry)
                 # A repeated key replaces the earlier entry where it stood, as dict assignment does.
                 self._layouts.check_room(entry.fingerprint)
                 record = self._table.find(entry.key)
@@ -267,8 +312,7 @@ class MemoryIndex(TierIndex):
                     record = self._table.insert(entry.key)
                     self._link_newest(record)
                 else:
-                    self._used_bytes -= self._table.get(record, _NBYTES)
-                    self._layouts.release(self._table.get(record, _LAYOUT))
+                    self._uncount(record)
                 self._fill(record, entry, now_s)
 
     # -- internals, under the lock -------------------------------------------
@@ -277,8 +321,8 @@ class MemoryIndex(TierIndex):
         """`admit` with ``behind`` (see there)."""
         if own != NO_RECORD:
             return
-        if self._used_bytes + entry.nbytes > budget_bytes:
-            raise OverBudget(f"{entry.nbytes} bytes do not fit the free room of the budget of {budget_bytes}")
+        if self._allocated_bytes + entry.allocated_bytes > budget_bytes:
+            raise OverBudget(f"{entry.allocated_bytes} bytes do not fit the free room of the budget of {budget_bytes}")
         self._layouts.check_room(entry.fingerprint)
         record = self._table.insert(entry.key)
         self._fill(record, entry, _now_s())
@@ -292,21 +336,36 @@ class MemoryIndex(TierIndex):
         table.set(record, _PARTS, entry.parts)
         table.set(record, _USED_S, used_s)
         table.set(record, _LAYOUT, self._layouts.hold(entry.fingerprint))
+        table.set(record, _SLACK, entry.slack_bytes)
         self._used_bytes += entry.nbytes
+        self._allocated_bytes += entry.allocated_bytes
+
+    def _uncount(self, record: int) -> None:
+        """Take ``record``'s entry out of the totals and its layout's count (it is being
+        replaced or forgotten)."""
+        table = self._table
+        self._used_bytes -= table.get(record, _NBYTES)
+        self._allocated_bytes -= self._allocated(record)
+        assert 0 <= self._used_bytes <= self._allocated_bytes, (self._used_bytes, self._allocated_bytes)
+        self._layouts.release(table.get(record, _LAYOUT))
+
+    def _allocated(self, record: int) -> int:
+        return self._table.get(record, _NBYTES) + self._table.get(record, _SLACK)
 
     def _entry(self, record: int) -> Entry:
         table = self._table
         fingerprint = self._layouts.fingerprint(table.get(record, _LAYOUT))
-        return Entry(table.key_of(record), table.get(record, _NBYTES), table.get(record, _PARTS), fingerprint)
+        return Entry(
+            table.key_of(record), table.get(record, _NBYTES), table.get(record, _PARTS), fingerprint,
+            table.get(record, _SLACK),
+        )  # fmt: skip
 
     def _forget(self, key: bytes) -> None:
         """Drop ``key`` if present."""
         record = self._table.detach(key)
         if record == NO_RECORD:
             return
-        self._used_bytes -= self._table.get(record, _NBYTES)
-        assert self._used_bytes >= 0, self._used_bytes
-        self._layouts.release(self._table.get(record, _LAYOUT))
+        self._uncount(record)
         self._unlink(record)
         self._table.release(record)
 

@@ -17,12 +17,14 @@ import mmap
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kvharbor.cache.breaker import Attempt, BreakerState, CircuitBreaker
 from kvharbor.cache.format import (
     HEADER_BYTES,
     Codec,
     CorruptObject,
+    EncodedPart,
     ForeignFormat,
     ForeignLayout,
     PayloadChecksum,
@@ -130,13 +132,26 @@ class Reservation:
         return self.span.offset + HEADER_BYTES
 
 
+class TierUsage(NamedTuple):
+    """What a tier holds, from its index alone; -1 each where the index cannot answer."""
+
+    used_bytes: int
+    """Bytes of the objects stored (headers included)."""
+    allocated_bytes: int
+    """What they take on the device (each object's whole pages or slab slot,
+    `kvharbor.hal.base.Device.allocation_bytes`): what the budget counts, at least ``used_bytes``."""
+    keys: int
+
+
 @dataclass(frozen=True, slots=True)
 class TierStatus:
     name: str
     device_type: str
     codec: str
     capacity_bytes: int
+    """The tier's budget, which ``allocated_bytes`` is counted against."""
     used_bytes: int
+    """Bytes of the objects stored (headers included); -1: the index did not answer."""
     keys: int
     health: str
     health_detail: str
@@ -151,6 +166,9 @@ class TierStatus:
     """The tier's write queue, when it is written asynchronously (filled by the store)."""
     fallback: bool = False
     """The local fallback tier, opened because no configured persistent tier did (``storage.fallback_path``)."""
+    allocated_bytes: int = field(kw_only=True)
+    """What the objects take on the device (`TierUsage.allocated_bytes`): what evictions keep
+    within ``capacity_bytes``; ``allocated_bytes - used_bytes`` is the device's rounding."""
 
 
 class Tier:
@@ -468,7 +486,7 @@ class Tier:
             )  # fmt: skip
         except ValueError as err:
             return self._unstorable(err)
-        entry = Entry(bytes(key), sum(p.nbytes for p in parts), len(parts), bytes(fingerprint))
+        entry = self._entry_of(key, fingerprint, parts)
         if not self._admit(entry, pinned, on_evict, behind):
             return False
         try:
@@ -494,14 +512,16 @@ class Tier:
 
     def reserve(self, key: bytes, fingerprint: bytes, nbytes: int, pinned: frozenset[bytes]) -> Reservation | None:
         """Room to write a value of ``nbytes`` where this tier will keep it, or None:
-        the device cannot take writes in place, the value would be encoded
-        (compressed, fragmented), the breaker is open, or no room came free by
-        evicting least recently used values (never ``pinned`` ones).
+        the device cannot take writes in place (or not of this size: a small value that
+        shares its pages, `InPlaceWrites.writes_in_place`; nothing is evicted for it), the
+        value would be encoded (compressed, fragmented), the breaker is open, or no room
+        came free by evicting least recently used values (never ``pinned`` ones).
         """
         device, total = self.device, HEADER_BYTES + nbytes
-        if not isinstance(device, InPlaceWrites) or self.codec is not Codec.NONE:
+        if not isinstance(device, InPlaceWrites) or self.codec is not Codec.NONE or not device.writes_in_place(total):
             return None
-        if total > device.max_value_bytes or total > self.capacity_bytes:
+        room = device.allocation_bytes(total)
+        if total > device.max_value_bytes or room > self.capacity_bytes:
             return None
         with ExitStack() as ending:
             attempt = ending.enter_context(self._attempt(TierOp.PUT))
@@ -512,7 +532,7 @@ class Tier:
                 # The device holds about the tier budget: room for a value in flight
                 # comes from the values least recently used, as it would at admission.
                 try:
-                    self.drop(self._least_recent(total, pinned))
+                    self.drop(self._least_recent(room, pinned))
                 except DeviceError as err:
                     self._index_fault(err)
                     return None
@@ -552,7 +572,7 @@ class Tier:
                 value_checksum,
                 self.namespaces.tag(fingerprint),
             )
-            entry = Entry(key, part.nbytes, 1, stored)
+            entry = self._entry_of(key, stored, [part])
             assert entry.nbytes == span.length, (entry.nbytes, span.length)
             if not self._admit(entry, pinned | {key}, on_evict):
                 device.abandon(span)
@@ -636,14 +656,15 @@ class Tier:
         for fingerprint in fingerprints:
             self._stored_fingerprint(fingerprint)
 
-    def usage(self) -> tuple[int, int]:
-        """Bytes used and objects stored, from the index alone (no device command);
-        (-1, -1) when the index cannot answer (a fault, counted)."""
+    def usage(self) -> TierUsage:
+        """What the tier holds, from the index alone (no device command); -1 each when the
+        index cannot answer (a fault, counted)."""
+        index = self.index
         try:
-            return self.index.used_bytes(), self.index.count()
+            return TierUsage(index.used_bytes(), index.allocated_bytes(), index.count())
         except DeviceError as err:
             self._index_fault(err)
-            return -1, -1
+            return TierUsage(-1, -1, -1)
 
     def layout_counts(self) -> dict[str, int]:
         """`TierStatus.layouts`, from the index alone; empty when the index cannot answer
@@ -676,14 +697,15 @@ class Tier:
 
     def status(self) -> TierStatus:
         health = self.device.health()
-        used_bytes, keys = self.usage()
+        usage = self.usage()
         return TierStatus(
             name=self.name,
             device_type=self.device_type,
             codec=self.codec.name.lower(),
             capacity_bytes=self.capacity_bytes,
-            used_bytes=used_bytes,
-            keys=keys,
+            used_bytes=usage.used_bytes,
+            allocated_bytes=usage.allocated_bytes,
+            keys=usage.keys,
             health=health.state.value,
             health_detail=health.detail,
             breaker=self.breaker.state.value,
@@ -772,9 +794,17 @@ class Tier:
         self.metrics.stored(entry.nbytes)
         return True
 
+    def _entry_of(self, key: bytes, fingerprint: bytes, parts: Sequence[EncodedPart]) -> Entry:
+        """The index entry of a value stored as ``parts``: their bytes, and what the device
+        takes beyond them (`kvharbor.hal.base.Device.allocation_bytes`), which the budget counts."""
+        sizes = [part.nbytes for part in parts]
+        slack = sum(self.device.allocation_bytes(n) - n for n in sizes)
+        assert slack >= 0, slack
+        return Entry(bytes(key), sum(sizes), len(sizes), bytes(fingerprint), slack)
+
     def _least_recent(self, nbytes: int, pinned: frozenset[bytes]) -> list[Entry]:
-        """Take least recently used entries worth at least ``nbytes`` out of the index
-        (never ``pinned`` ones); the caller drops their bytes."""
+        """Take least recently used entries that take at least ``nbytes`` of the device out
+        of the index (never ``pinned`` ones); the caller drops their bytes."""
         for limit in LRU_SCAN_ENTRIES:
             candidates = self.index.lru(limit)
             victims: list[Entry] = []
@@ -784,7 +814,7 @@ class Tier:
                     break
                 if candidate.key not in pinned:
                     victims.append(candidate)
-                    freed += candidate.nbytes
+                    freed += candidate.allocated_bytes
             if freed >= nbytes or len(candidates) < limit:
                 break
         self.index.remove([victim.key for victim in victims])

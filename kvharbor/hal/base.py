@@ -240,6 +240,14 @@ class Device(ABC):
     def close(self) -> None:  # noqa: B027 - most drivers hold nothing to release.
         """Release handles; the device must not be used afterwards."""
 
+    def allocation_bytes(self, nbytes: int) -> int:
+        """The room one value of ``nbytes`` takes on this device, at least ``nbytes``: its
+        bytes rounded to the device's unit of allocation. A tier's budget counts this, so
+        that its status and its evictions follow what the device really gives up. The
+        default, ``nbytes``, is for devices whose rounding is not theirs to tell (a file's
+        blocks are the filesystem's); the manifest's budget counts bytes alone."""
+        return nbytes
+
     def check_value_size(self, parts: Sequence[Buffer]) -> int:
         """Total length of ``parts``; raises ValueError above ``max_value_bytes``."""
         total = sum(memoryview(p).nbytes for p in parts)
@@ -480,9 +488,16 @@ class InPlaceWrites(SharedSpans):
     reservation ends in exactly one of the two.
     """
 
+    def writes_in_place(self, nbytes: int) -> bool:
+        """Whether an object of ``nbytes`` can be written in place at all: False for a size
+        the device keeps in pages that other objects share (lending it would open them to
+        the writer too); such objects are stored with `Device.put`. The default: any size."""
+        return nbytes > 0
+
     @abstractmethod
     def reserve(self, nbytes: int) -> SharedSpan | None:
-        """Room for one object of ``nbytes`` (header included); None when there is none."""
+        """Room for one object of ``nbytes`` (header included), a size `writes_in_place`
+        admits (else ValueError); None when there is no room."""
 
     @abstractmethod
     def adopt(self, key: bytes, span: SharedSpan) -> None:

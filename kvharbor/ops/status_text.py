@@ -85,6 +85,16 @@ def card_text(name: str, card: CardStatus) -> str:
     )
 
 
+def fill_text(tier: TierStatus) -> str:
+    """How full a tier is: what its objects take of its budget and, where the device's
+    allocation adds to their bytes (whole pages, slab slots), their bytes and that overhead."""
+    fill = f"{mib(tier.allocated_bytes)} of {mib(tier.capacity_bytes)}"
+    if tier.allocated_bytes <= tier.used_bytes or tier.used_bytes <= 0:
+        return fill
+    overhead = tier.allocated_bytes / tier.used_bytes - 1
+    return f"{fill} taken ({mib(tier.used_bytes)} in objects, +{100 * overhead:.1f}% allocation)"
+
+
 def write_queue_text(tier: TierStatus) -> str | None:
     """A tier's write queue in one line; None for a tier written at once."""
     queue, counts = tier.write_queue, tier.counters
@@ -139,8 +149,8 @@ def render_status(status: GatewayStatus) -> str:
         evictions, corrupt = tier.counters.evictions, tier.counters.corrupt
         tiers.append(
             f"{tier.name} [{tier.device_type}{', fallback' if tier.fallback else ''}]: "
-            f"{status.tier_conditions()[tier.name]}; {mib(tier.used_bytes)} of "
-            f"{mib(tier.capacity_bytes)}, {tier.keys} objects, {evictions} evictions, {corrupt} corrupt"
+            f"{status.tier_conditions()[tier.name]}; {fill_text(tier)}, {tier.keys} objects, "
+            f"{evictions} evictions, {corrupt} corrupt"
         )
         tiers += [f"  {line}" for line in (write_queue_text(tier), codec_text(tier)) if line]
     tiers += [f"{name}: {why}" for name, why in status.store.skipped.items()]

@@ -79,7 +79,7 @@ class _TierReader:
 
 
 class StoreCollector(Collector):
-    """``kvharbor_tier_{used_bytes,capacity_bytes,objects,breaker_open,up}{tier}``, the
+    """``kvharbor_tier_{used_bytes,allocated_bytes,capacity_bytes,objects,breaker_open,up}{tier}``, the
     ``kvharbor_card_*{tier}`` gauges of card tiers, and ``kvharbor_refill_bytes_total``."""
 
     def __init__(self, tiers: Sequence[Tier], refill: RamRefill | None, card_interval_s: float) -> None:
@@ -94,10 +94,11 @@ class StoreCollector(Collector):
         f = _Families()
         for reader in self._tiers:
             tier, labels = reader.tier, [reader.tier.name]
-            used_bytes, count = tier.usage()
-            if used_bytes >= 0:  # Else its index failed (counted as a fault): no reading.
-                f.used.add_metric(labels, used_bytes)
-                f.objects.add_metric(labels, count)
+            usage = tier.usage()
+            if usage.used_bytes >= 0:  # Else its index failed (counted as a fault): no reading.
+                f.used.add_metric(labels, usage.used_bytes)
+                f.allocated.add_metric(labels, usage.allocated_bytes)
+                f.objects.add_metric(labels, usage.keys)
             f.capacity.add_metric(labels, tier.capacity_bytes)
             f.breaker_open.add_metric(labels, int(tier.breaker.state is BreakerState.OPEN))
             health = reader.health()
@@ -121,6 +122,13 @@ class _Families:
 
     used: GaugeMetricFamily = field(
         default_factory=lambda: GaugeMetricFamily("kvharbor_tier_used_bytes", "Bytes the tier uses", labels=_TIER)
+    )
+    allocated: GaugeMetricFamily = field(
+        default_factory=lambda: GaugeMetricFamily(
+            "kvharbor_tier_allocated_bytes",
+            "Bytes the tier's objects take on its device (whole pages, slab slots): what its budget counts",
+            labels=_TIER,
+        )
     )
     capacity: GaugeMetricFamily = field(
         default_factory=lambda: GaugeMetricFamily("kvharbor_tier_capacity_bytes", "The tier's capacity", labels=_TIER)

@@ -23,17 +23,18 @@ from kvharbor.cache.format import HEADER_BYTES
 from kvharbor.cache.refill import RefillStatus
 from kvharbor.cache.tier import TierStatus
 from kvharbor.config import GIB, MIB
+from kvharbor.hal.extents import round_up
 
 pytestmark = pytest.mark.timeout(90)
 
 VALUE_BYTES = 100_000
 RAM_OBJECTS = 10
-"""How many values the RAM tier's budget holds (headers included)."""
+"""How many values the RAM tier's budget holds (headers included, in the whole pages each takes)."""
 
 
 def tiers(tmp_path: Path, value_bytes: int = VALUE_BYTES) -> list[dict[str, Any]]:
     """A RAM tier of `RAM_OBJECTS` values of ``value_bytes`` over a file tier that holds many."""
-    ram_gb = RAM_OBJECTS * (value_bytes + HEADER_BYTES) / GIB
+    ram_gb = RAM_OBJECTS * round_up(value_bytes + HEADER_BYTES) / GIB
     return [
         {"name": "ram", "type": "ram", "capacity_gb": ram_gb},
         {"name": "local", "type": "file", "path": str(tmp_path / "files"), "capacity_gb": 1, "fsync": False},

@@ -26,7 +26,8 @@ UNREGISTERED = "ab" * 16
 
 def sample_status(temperature_c: float = 41.5) -> GatewayStatus:
     tier = TierStatus(
-        name="card", device_type="nvme", codec="none", capacity_bytes=1 << 30, used_bytes=1 << 20, keys=3,
+        name="card", device_type="nvme", codec="none", capacity_bytes=1 << 30, used_bytes=1 << 20,
+        allocated_bytes=(1 << 20) + 3 * 4096, keys=3,
         health="degraded", health_detail="CapacityUsage WARNING", breaker="closed",
         counters=TierCounts(
             puts=3, evictions=1, async_dropped=2, async_flushed=5, async_unflushed=1,

@@ -38,7 +38,9 @@ def test_a_bind_beyond_loopback_needs_a_token() -> None:
 
 
 def _status(query: int, hit: int, used: int, evictions: int) -> StoreStatus:
-    tier = TierStatus("ram", "ram", "none", 1000, used, 1, "ok", "", "closed", TierCounts(evictions=evictions))
+    tier = TierStatus(
+        "ram", "ram", "none", 1000, used, 1, "ok", "", "closed", TierCounts(evictions=evictions), allocated_bytes=used
+    )
     return StoreStatus([tier], "write_through", HitCounts(lookups=1, lookup_tokens=query, hit_tokens=hit))
 
 

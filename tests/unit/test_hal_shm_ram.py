@@ -70,9 +70,9 @@ def test_a_reserved_place_is_invisible_until_adopted_and_then_replaces_the_old_v
 
 def test_an_abandoned_place_is_free_again_and_never_seen() -> None:
     device, _ = make(pages=1)
-    place = device.reserve(100)
+    place = device.reserve(PAGE_BYTES)
     assert place is not None
-    assert device.reserve(100) is None
+    assert device.reserve(PAGE_BYTES) is None
     device.abandon(place)
-    assert device.reserve(100) is not None
+    assert device.reserve(PAGE_BYTES) is not None
     assert device.usage().used_bytes == 0 and list(device.scan()) == []

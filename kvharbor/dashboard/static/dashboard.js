@@ -61,7 +61,9 @@ function showStatus(status) {
     cell(row, tier.device_type + (tier.fallback ? " (fallback)" : ""));
     cell(row, tier.health + (tier.health_detail ? ` (${tier.health_detail})` : ""), healthy ? "ok" : "bad");
     cell(row, tier.breaker, tier.breaker === "closed" ? "ok" : "bad");
-    cell(row, bytes(tier.used_bytes));
+    // What the objects take (what evictions count), and their own bytes where the device's allocation adds to them.
+    const allocated = tier.allocated_bytes > tier.used_bytes ? ` (${bytes(tier.used_bytes)} in objects)` : "";
+    cell(row, bytes(tier.allocated_bytes) + allocated);
     cell(row, bytes(tier.capacity_bytes));
     cell(row, String(tier.keys));
     cell(row, String((tier.counters || {}).evictions || 0));
