@@ -74,7 +74,7 @@ def test_the_slice_written_back_is_the_trace_format(trace: Path, tmp_path: Path)
 )
 def test_bad_slices_are_refused_naming_the_flag(trace: Path, kwargs: dict[str, float], message: str) -> None:
     with pytest.raises(ReplayError, match=message.replace("(", r"\(")):
-        Workload.from_trace(trace, SHAPE, **kwargs)  # type: ignore[arg-type]
+        Workload.from_trace(trace, SHAPE, **kwargs)
 
 
 def test_bad_shapes_are_refused_naming_the_flag() -> None:
