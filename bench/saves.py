@@ -59,11 +59,11 @@ def commit_before_the_step_returns() -> None:
     from kvharbor.connector.vllm.worker import WorkerSide
 
     committed = threading.Event()
-    store, save = CacheLink.store, WorkerSide.save
+    commit, save = CacheLink.commit, WorkerSide.save
 
-    def store_then_say(self: Any, *args: Any, **kwargs: Any) -> int:
+    def commit_then_say(self: Any, *args: Any, **kwargs: Any) -> int:
         try:
-            return int(store(self, *args, **kwargs))
+            return int(commit(self, *args, **kwargs))
         finally:
             committed.set()
 
@@ -74,7 +74,7 @@ def commit_before_the_step_returns() -> None:
             committed.wait()
 
     # The methods themselves are replaced: every instance the engine builds is to report.
-    CacheLink.store = store_then_say  # type: ignore[method-assign]
+    CacheLink.commit = commit_then_say  # type: ignore[method-assign]
     WorkerSide.save = save_and_wait  # type: ignore[method-assign]
 
 

@@ -129,21 +129,34 @@ class EngineSection(_Section):
     chunk) crossed at ~37 GB/s on an H100 against ~52 GB/s for whole chunks (pinned copies of
     1 MiB run at 36-39 GB/s there, at 53-55 from 16 MiB); four layers are 4 MiB. 0: one layer
     at a time. On a CPU every layer is copied on its own (no DMA)."""
-    save_staging_mb_max: int = Field(4096, gt=0, description="GPU memory saves waiting for their copy out may hold")
-    """Past it a step waits up to ``save_staging_wait_ms`` for room (at least one chunk is always allowed)."""
-    save_staging_wait_ms: int = Field(5000, ge=0, description="how long a step waits for save staging room")
-    """After it the step's saves are skipped (future misses), never the step."""
+    save_staging_mb_max: int = Field(4096, gt=0, description="memory saves waiting for their copy out may hold")
+    """GPU memory on a GPU, where every step's saves are gathered into it (at least one chunk
+    is always allowed); host memory on the CPU, where a step copies its saves into it only
+    while the saver is busy with earlier ones (else straight into shared memory). Past it a
+    step's further chunks are not saved (future misses, counted in ``save_dropped``)."""
+    save_staging_wait_ms: int = Field(0, ge=0, description="how long a GPU step waits for save staging room")
+    """Room is given back as earlier saves land in shared memory, which waits for the storage
+    write under way: a step that waited would run at the storage's pace. 0: it never waits,
+    and its chunks that find no room are dropped (counted in ``save_dropped``); the engine
+    keeps its speed. Raise it to trade step time for saves."""
     prefill_sample_stall_ms_max: float = Field(5.0, ge=0, description="longest staging wait of a timed step")
     """A step that waited longer for save staging is not a sample of the prefill rate."""
     save_queue_steps_max: int = Field(64, gt=0, description="steps whose saves may wait for the storage at once")
-    """Past it a step's saves are dropped (future misses), never the step."""
+    """Past it a step's saves are dropped (future misses, counted in ``save_dropped``), never the step."""
     saves_land_before_answer: bool = True
     """The step that computes a prompt's last chunk returns only once that step's chunks are
     in shared memory and marked complete, so a request that was answered was saved, even
-    if the engine is killed right after (vLLM's default shutdown). On a CPU every step
-    does so anyway (the pages are copied within the step); on a GPU it waits for that
-    one step's device-to-host copy (and for the saves queued before it). False: GPU steps
-    never wait, and a kill within that copy loses the step's chunks."""
+    if the engine is killed right after (vLLM's default shutdown): it waits for the copy
+    out of staging and for the storage write under way then (not for those of the saves
+    queued before it: its own land ahead of them), at most ``save_wait_ms``. A CPU step
+    whose saver is idle copies its chunks straight into shared memory within the step in
+    any case. False: steps never wait, and a kill within that copy loses the step's chunks."""
+    save_wait_ms: int = Field(1000, ge=0, description="longest wait of a step that ends a prompt for its saves to land")
+    """Bounds ``saves_land_before_answer``: past it the step returns and its saves land behind
+    it (said once; a kill before then loses them). It covers one storage write that keeps
+    up with the engine: a RAM tier stores the largest GPU step's saves (2 GiB) in ~0.1 s
+    (docs/performance.md: 21.4 GB/s), a file tier 0.5 GB/s; a tier slower than that costs
+    a prompt's last step no more than this."""
 
     @property
     def load_batch_bytes(self) -> int:

@@ -35,7 +35,7 @@ from kvharbor.cache.keys import NAMESPACE_UNKNOWN
 from kvharbor.config import Config
 from kvharbor.connector.fanout import Fanout
 from kvharbor.gateway import embedded
-from kvharbor.gateway.client import GatewayClient, GatewayError, GatewayRefused, GetBatch
+from kvharbor.gateway.client import GatewayClient, GatewayError, GatewayRefused, GetBatch, PutBatch
 from kvharbor.gateway.protocol import LookupOk
 from kvharbor.gateway.shm import Segment
 from kvharbor.telemetry.log import PREFIX, OnceLog, get_logger
@@ -63,6 +63,22 @@ class StreamCopies(Protocol):
         """The held values will not be copied (the load failed before their copy started)."""
 
 
+@dataclass(frozen=True, slots=True)
+class Landing:
+    """Values in shared memory, marked complete, not stored yet (`CacheLink.land`)."""
+
+    client: GatewayClient | None
+    """The connection the batch is open on (a batch belongs to one)."""
+    batch: PutBatch | None
+    """The gateway's batch, open until `CacheLink.commit`; None: nothing lent, or it failed."""
+    lent_bytes: int
+    """The bytes of the values lent a place (and filled)."""
+    no_room: int
+    """Values the gateway had no room for by ``gateway.ring_wait_ms``: not stored."""
+
+
+_LANDED_NOTHING = Landing(None, None, 0, 0)
+
 _IN_TURN = Fanout(1, "kvharbor-fill")
 """A store's fills when its caller gives no fanout: in turn, in the calling thread."""
 
@@ -81,9 +97,9 @@ class LinkCounters:
     stored_bytes: int = 0
     skipped_chunks: int = 0
     """Chunks a store did not write: already stored, or the gateway had no room."""
+    no_room_chunks: int = 0
+    """Of those, the chunks the gateway had no room for (``gateway.ring_wait_ms``): not stored."""
     refused: int = 0
-    late_saves: int = 0
-    """Stores given up because their copy ended after the engine stopped waiting for it."""
     off: int = 0
     """1 once the external cache is off on this rank."""
 
@@ -385,37 +401,48 @@ class CacheLink:
         items: Sequence[tuple[bytes, int]],
         fill: Callable[[int, memoryview], int | None],
         settle: Callable[[], None] | None = None,
-        on_filled: Callable[[], None] | None = None,
-        in_time: Callable[[], bool] | None = None,
         namespace: int = NAMESPACE_UNKNOWN,
         fanout: Fanout | None = None,
     ) -> int:
-        """Store values of the given (key, size): ``fill(i, view)`` writes value i.
-        ``namespace``: the writer's `kvharbor.cache.keys.namespace_tag`, kept in the headers.
+        """Store values of the given (key, size): `land` them, then `commit`; returns how
+        many the gateway stored."""
+        return self.commit(self.land(fingerprint, items, fill, settle, namespace, fanout))
 
-        Returns how many the gateway stored; values already stored are skipped
-        without being filled. A ``fill`` may return the `kvharbor.hal.checksum.checksum`
-        of the bytes it wrote, taken as it wrote them: when every fill of a batch does,
-        the gateway need not read the values again to checksum them. Each value is marked complete (`PutBatch.mark`) as
-        soon as its bytes are in place: right after its ``fill``, or, when ``fill``
-        only starts a copy (a DMA), once ``settle()`` has waited for every copy.
-        ``on_filled`` runs after the marks and before the (slower) commit: the
-        caller's source buffers are free then, and should this process die from
-        then on, the gateway still stores every value. ``in_time()``, asked once
-        the values are in place and before any is marked, says whether their
-        sources stayed untouched for the whole copy (the engine was still waiting
-        for it); False gives the batch up unmarked: nothing of it is stored.
-        ``fanout`` runs the fills on its threads, several at once (its contract: fill i
-        touches only value i's view); without it they run in turn in this thread.
+    def land(
+        self,
+        fingerprint: bytes,
+        items: Sequence[tuple[bytes, int]],
+        fill: Callable[[int, memoryview], int | None],
+        settle: Callable[[], None] | None = None,
+        namespace: int = NAMESPACE_UNKNOWN,
+        fanout: Fanout | None = None,
+    ) -> Landing:
+        """The first half of a store: the gateway lends a place to each value not stored yet
+        (values already stored, or without room by ``gateway.ring_wait_ms``, are skipped
+        unfilled), ``fill(i, view)`` writes value i, and each is marked complete
+        (`PutBatch.mark`) as soon as its bytes are in place: right after its ``fill``, or,
+        when ``fill`` only starts a copy (a DMA), once ``settle()`` has waited for every copy.
+        From then on the sources are free, and should this process die, the gateway still
+        stores every marked value. `commit` stores them.
+
+        A ``fill`` may return the `kvharbor.hal.checksum.checksum` of the bytes it wrote,
+        taken as it wrote them: when every fill of a batch does, the gateway need not read
+        the values again to checksum them. ``namespace``: the writer's
+        `kvharbor.cache.keys.namespace_tag`, kept in the headers. ``fanout`` runs the fills
+        on its threads, several at once (its contract: fill i touches only value i's view);
+        without it they run in turn in this thread.
+
+        Batches of one link may be landed ahead of the commits of earlier ones (the gateway
+        keeps each open until its commit); they are committed in any order.
         """
         client = self._get_client()
         if client is None or not items:
-            return 0
+            return _LANDED_NOTHING
         try:
             batch = client.prepare_put(fingerprint, items, namespace)
             lent = [i for i, view in enumerate(batch.views) if view is not None]
             self.counters.skipped_chunks += len(batch.views) - len(lent)
-            mark_when_filled = settle is None and in_time is None
+            self.counters.no_room_chunks += batch.no_room
 
             def fill_one(i: int) -> None:
                 view = batch.views[i]
@@ -423,30 +450,31 @@ class CacheLink:
                 written = fill(i, view)
                 if written is not None:
                     batch.checksums[i] = written
-                if mark_when_filled:
+                if settle is None:
                     batch.mark(i)
 
             (fanout or _IN_TURN).run(fill_one, lent)
             if settle is not None:
                 settle()
-            if in_time is not None and not in_time():
-                # The copy may have read blocks the engine had already reused: wrong bytes
-                # must never be stored. Hanging up makes the gateway drop the unmarked batch.
-                self._once.say("late", "a save finished copying after the engine stopped waiting for it; not stored")
-                self.counters.late_saves += 1
-                self.close()
-                return 0
-            if settle is not None or in_time is not None:
                 for i in lent:
                     batch.mark(i)
-            if on_filled is not None:
-                on_filled()
-            stored = client.commit_put(batch)
+        except GatewayError as err:
+            self._failed(err)
+            return _LANDED_NOTHING
+        return Landing(client, batch, sum(items[i][1] for i in lent), batch.no_room)
+
+    def commit(self, landing: Landing) -> int:
+        """Store a `land`'s values; returns how many the gateway stored (0 for a landing of
+        nothing, or when the gateway failed since)."""
+        if landing.client is None or landing.batch is None or self.is_off:
+            return 0  # Nothing lent, or the cache went off since: its connection is gone.
+        try:
+            stored = landing.client.commit_put(landing.batch)
         except GatewayError as err:
             self._failed(err)
             return 0
         self.counters.stored_chunks += stored
-        self.counters.stored_bytes += sum(items[i][1] for i in lent)
+        self.counters.stored_bytes += landing.lent_bytes
         return stored
 
     def close(self) -> None:

@@ -140,6 +140,8 @@ class PutBatch:
     """The batch's completion marks (see `protocol.write_mark`); None when nothing was lent."""
     offsets: list[int] = field(default_factory=list)
     """Per view, its offset in the segment (`protocol.SKIP` for a skipped value)."""
+    no_room: int = 0
+    """Of the skipped values, those the gateway had no room for (the others are stored)."""
 
     def write(self, index: int, value: Buffer) -> None:
         """Copy ``value`` into view ``index``, keep its checksum (taken during the copy)
@@ -325,7 +327,7 @@ class GatewayClient:
                 raise self._fail(f"completion marks at {ready.marks} lie outside the ring")
         if in_place:
             self._protect(in_place, writable=True)
-        return PutBatch(ready.batch, views, in_place, [None] * len(views), marks, list(ready.offsets))
+        return PutBatch(ready.batch, views, in_place, [None] * len(views), marks, list(ready.offsets), ready.no_room)
 
     def commit_put(self, batch: PutBatch) -> int:
         if batch.in_place:

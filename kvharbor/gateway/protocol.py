@@ -25,14 +25,15 @@ from kvharbor.cache.purge import PurgeFilter, PurgeReport
 from kvharbor.config import ConfigDigest
 from kvharbor.gateway.status import GatewayStatus, StatusFormError, peek_release
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 """Bumped on any change to frames or message bodies, or to what their fields mean. 2:
 PROGRESS. 4: PUT_COMMIT carries the writer's payload checksums. 5: HELLO carries the
 client's `ConfigDigest`. 6: PUT_READY lends an area for completion marks. 7: LOOKUP checks
 value sizes and answers which hits are resident; VERIFY and DROP. 8: STATUS_OK carries a
 typed `GatewayStatus`; HELLO registers the client's layouts; STATUS and LOCATE need no
 HELLO; PUT_PREPARE carries the writer's namespace tag; PURGE. 9: PUT_COMMIT's checksums
-are object format 3's (`kvharbor.hal.checksum`)."""
+are object format 3's (`kvharbor.hal.checksum`). 10: PUT_READY says how many values found no
+room (a saver counts them dropped; the others it skips are stored already)."""
 
 FRAME = struct.Struct("<IHHQ")
 FRAME_BYTES = FRAME.size
@@ -569,20 +570,28 @@ class PutReady(Message):
     marks: int = SKIP
     """Where the batch's completion marks lie in shared memory (`MARK_BYTES` per value of
     the PUT_PREPARE, in its order); `SKIP` when no value was lent."""
+    no_room: int = 0
+    """Of the `SKIP` offsets, those of values not stored that found no room by the request's
+    deadline (``gateway.ring_wait_ms``); the others are stored already."""
 
     def body(self) -> bytes:
         return (
             _U64.pack(self.batch)
             + _U64.pack(self.marks)
+            + _U32.pack(self.no_room)
             + _U32.pack(len(self.offsets))
             + b"".join(_U64.pack(o) for o in self.offsets)
         )
 
     @classmethod
     def parse(cls, reader: _Reader) -> PutReady:
-        batch, marks = reader.unpack(_U64)[0], reader.unpack(_U64)[0]
+        batch, marks, no_room = reader.unpack(_U64)[0], reader.unpack(_U64)[0], reader.u32()
         n = reader.count()
-        return cls(batch, [reader.unpack(_U64)[0] for _ in range(n)], marks)
+        offsets = [reader.unpack(_U64)[0] for _ in range(n)]
+        skipped = offsets.count(SKIP)
+        if no_room > skipped:
+            raise ProtocolError(ErrorCode.MALFORMED, f"PUT_READY: {no_room} values without room, {skipped} skipped")
+        return cls(batch, offsets, marks, no_room)
 
 
 # -- completion marks --------------------------------------------------------------

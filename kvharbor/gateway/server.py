@@ -627,7 +627,7 @@ class Gateway:
             case p.PutPrepare():
                 batch_id, batch, offsets = transfers.prepare_put(message, progress)
                 batches[batch_id] = batch
-                return p.PutReady(batch_id, offsets, batch.marks)
+                return p.PutReady(batch_id, offsets, batch.marks, batch.no_room)
             case p.PutCommit(batch=batch_id, checksums=checksums):
                 batch = self._pop_batch(batches, batch_id, "put")
                 try:

@@ -96,6 +96,8 @@ class Batch:
     """put: values the client writes in their place in the first tier."""
     marks: int = p.SKIP
     """put: offset of the completion marks (also among ``extents``), or `SKIP`."""
+    no_room: int = 0
+    """put: values not stored that were lent no place, for want of room by the deadline."""
     fingerprint: bytes = b""
 
 
@@ -154,6 +156,7 @@ class Transfers:
         except BaseException:
             self.free(batch)
             raise
+        batch.no_room = no_room
         if no_room:
             self._metrics.error("ring_full", no_room)
         assert len(offsets) == len(message.items)

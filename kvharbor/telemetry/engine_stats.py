@@ -117,8 +117,9 @@ ENGINE_STATS: tuple[EngineStat, ...] = (
     EngineStat("loads_cut", "Restores stopped part-way because the rest would arrive slower than it recomputes"),
     EngineStat(
         "save_dropped",
-        "Chunks not saved because the GPU staging for saves was full (future misses)",
-        shown=Shown.HIDDEN,
+        "Chunks not saved because the saves fell behind the storage: the save queue (engine.save_queue_steps_max), "
+        "the save staging (engine.save_staging_mb_max) or the gateway's room (gateway.ring_wait_ms) was full; "
+        "future misses, the engine's steps never wait for them",
     ),
     EngineStat(
         "prefill_flops", "Prefill FLOPs of the timed forward passes (steps that loaded nothing)", shown=Shown.HIDDEN

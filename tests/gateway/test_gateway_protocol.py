@@ -36,7 +36,10 @@ messages = st.one_of(
     st.builds(p.Drop, key_lists),
     st.builds(p.Dropped, u32),
     st.builds(p.PutPrepare, keys, st.lists(st.tuples(keys, u64), max_size=40)),
-    st.builds(p.PutReady, u64, st.lists(u64, max_size=40), u64),
+    # Some values skipped (stored, or no room): at most those found no room.
+    st.lists(st.one_of(u64, st.just(p.SKIP)), max_size=40).flatmap(
+        lambda offsets: st.builds(p.PutReady, u64, st.just(offsets), u64, st.integers(0, offsets.count(p.SKIP)))
+    ),
     st.builds(p.PutCommit, u64, st.lists(u64, max_size=40)),
     st.builds(p.PutDone, u32),
     st.builds(p.Get, keys, key_lists),
@@ -150,6 +153,13 @@ def test_encoder_refuses_what_the_decoder_would() -> None:
         p.encode(p.PutPrepare(b"f" * 16, [(b"k" * 16, -1)]), 1)
     # A full batch besides its fingerprint is legal.
     p.encode(p.PutPrepare(b"f" * 16, [(b"k" * 16, 1)] * KEYS_PER_MESSAGE_MAX), 1)
+
+
+def test_a_put_ready_with_more_values_without_room_than_it_skipped_is_malformed() -> None:
+    ready = p.PutReady(1, [p.SKIP, 4096, p.SKIP], 0, no_room=2)
+    assert p.decode_body(p.MessageType.PUT_READY, ready.body()) == ready
+    with pytest.raises(ProtocolError, match="3 values without room, 2 skipped"):
+        p.decode_body(p.MessageType.PUT_READY, p.PutReady(1, [p.SKIP, 4096, p.SKIP], 0, no_room=3).body())
 
 
 def test_a_full_batch_fits_the_smallest_message_limit() -> None:

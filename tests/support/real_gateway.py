@@ -5,14 +5,17 @@ socket in a temporary directory, a unique shared-memory name, a small ring, a
 RAM tier) serving on a thread; connector links reach it through the real
 client, over the real socket and shared memory. Tests look inside it through
 another real client (`hold`, `holds`) or its `status()`, and make it fail for
-real with `stop()`, or for one client with `hang_up`.
+real with `stop()`, or for one client with `hang_up`, or stall its storage
+writes (`stalled_writes`: a first tier that cannot keep up).
 """
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +26,18 @@ from kvharbor.gateway.status import GatewayStatus
 from tests.gateway.gateway_harness import WAIT_S, remove_segments, write_config
 
 INSPECTOR = "inspector"
+
+
+@dataclass
+class Stall:
+    """The gateway's storage writes held (`RealGateway.stalled_writes`)."""
+
+    reached: threading.Event = field(default_factory=threading.Event)
+    """Set once a commit has a value waiting at the stall."""
+    release: threading.Event = field(default_factory=threading.Event)
+    """Set it to let the writes through."""
+    outlasted: bool = False
+    """A write waited `WAIT_S` without a release (it was never meant to get through)."""
 
 
 class RealGateway:
@@ -108,6 +123,29 @@ class RealGateway:
         for connection in connections:
             connection.sock.shutdown(socket.SHUT_RDWR)
         return len(connections)
+
+    @contextlib.contextmanager
+    def stalled_writes(self) -> Iterator[Stall]:
+        """Within it, every value a commit stores (into its first tier, in place or from the
+        ring) waits until ``release`` is set (at most `WAIT_S`): a first tier that cannot keep
+        up, while room is still lent as usual. Released on exit."""
+        assert self.server is not None and self.server.store is not None, "not serving"
+        store, stall = self.server.store, Stall()
+
+        def stalled(write: Callable[..., bool]) -> Callable[..., bool]:
+            def wait_then_write(*args: Any, **kwargs: Any) -> bool:
+                stall.reached.set()
+                stall.outlasted |= not stall.release.wait(WAIT_S)
+                return write(*args, **kwargs)
+
+            return wait_then_write
+
+        store.put, store.complete = stalled(store.put), stalled(store.complete)  # type: ignore[method-assign]
+        try:
+            yield stall
+        finally:
+            stall.release.set()
+            del store.put, store.complete  # The class's own again.
 
     def settle(self) -> None:
         """Wait (bounded) until the tiers written from a queue (the file tier below RAM) hold

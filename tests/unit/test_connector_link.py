@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Any
 
 import pytest
 
@@ -76,22 +77,37 @@ def test_links_to_different_gateways_do_not_share_fate() -> None:
     assert RankSwitch.for_gateway("/run/a.sock") is not RankSwitch.for_gateway("/run/b.sock")
 
 
-def test_a_copy_that_ended_after_the_engine_stopped_waiting_is_not_stored(real_gateway: RealGateway) -> None:
-    """A CPU save reads the engine's blocks; once the step stopped waiting for it they may hold
-    another request's KV, so a copy that ends later must not become a stored value."""
+def test_a_landing_is_stored_if_its_writer_dies_and_may_be_committed_after_a_later_one(
+    real_gateway: RealGateway,
+) -> None:
+    """`CacheLink.land` leaves its values marked complete in shared memory: the gateway stores
+    them if the link goes away before `commit`, and a later landing on the same link may be
+    committed first (a saver lands a step that waits ahead of the commits queued before it)."""
     [link] = links(real_gateway, 1)
-    link.start()
-    late = [(key, 64) for key in KEYS[:2]]
+    first, second = link.land(b"f" * 16, [(KEYS[0], 64)], fill), link.land(b"f" * 16, [(KEYS[1], 64)], fill)
+    assert (first.lent_bytes, first.no_room) == (64, 0)
+    assert link.commit(second) == 1 and link.commit(first) == 1
+    assert real_gateway.holds(KEYS[:2]) == 2
+    dying = link.land(b"f" * 16, [(KEYS[2], 64)], fill)
+    assert dying.batch is not None
+    transfers = real_gateway.server.transfers if real_gateway.server is not None else None
+    assert transfers is not None
+    stored_marked, real_commit_marked = threading.Event(), transfers.commit_marked
 
-    def fill(i: int, view: memoryview) -> None:
-        view[:] = bytes([i + 1]) * view.nbytes
+    def commit_marked(batch: Any) -> Any:
+        try:
+            return real_commit_marked(batch)
+        finally:
+            stored_marked.set()
 
-    assert link.store(b"f" * 16, late, fill, in_time=lambda: False) == 0
-    assert real_gateway.holds(KEYS) == 0  # Nothing of the batch, filled or not, was stored.
-    assert link.counters.late_saves == 1 and not link.is_off
-    # The link serves on: the next save, in time, is stored.
-    assert link.store(b"f" * 16, late, fill, in_time=lambda: True) == 2
-    assert real_gateway.holds(KEYS) == 2
+    transfers.commit_marked = commit_marked  # type: ignore[method-assign]
+    link.close()  # Its writer goes away before the commit.
+    assert stored_marked.wait(30)
+    assert real_gateway.holds(KEYS) == 3
+
+
+def fill(i: int, view: memoryview) -> None:
+    view[:] = bytes([i + 1]) * view.nbytes
 
 
 def test_fills_spread_over_a_fanout_are_each_stored_and_marked(real_gateway: RealGateway) -> None:

@@ -2,22 +2,27 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvharbor.cache.purge import PurgeFilter
 from kvharbor.config import Config
 from kvharbor.connector.link import CacheLink, RankSwitch
 from kvharbor.connector.vllm.layout import ConnectorRefusal
 from kvharbor.connector.vllm.metadata import ChunkTransfer, KVHarborMetadata
+from kvharbor.connector.vllm.stats import KVHarborPromMetrics, KVHarborStats
 from kvharbor.connector.vllm.worker import WorkerSide
 from kvharbor.gateway.client import GatewayRefused
 from kvharbor.gateway.protocol import ErrorCode
+from tests.gateway.gateway_harness import WAIT_S
 from tests.support.real_gateway import RealGateway
 from tests.support.stand_ins import LAYERS, layout
 
@@ -442,3 +447,105 @@ def test_a_worker_that_stays_off_restores_nothing_and_stores_nothing(real_gatewa
     assert side.take_stats()["cache_off"] == 1
     side.close()
     assert (real_gateway.puts, real_gateway.connects) == (puts, connects)  # Never connected, nothing stored.
+
+
+# -- saves that fall behind the storage ------------------------------------------------------
+
+
+def save_step(side: WorkerSide, keys: list[bytes], blocks: list[int], ends_prompt: bool = False) -> None:
+    """One engine step that completes ``keys`` (request r's chunks in ``blocks``)."""
+    save = ChunkTransfer(request_id="r", keys=[keys], block_ids=[blocks], ends_prompt=ends_prompt)
+    side.save(KVHarborMetadata(saves=[save]))
+
+
+def exported(*reports: dict[str, float]) -> CollectorRegistry:
+    """The workers' ``reports`` as vLLM hands them to the connector's Prometheus series."""
+    registry = CollectorRegistry()
+    types: dict[type, Any] = {cls: functools.partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}
+    metrics = KVHarborPromMetrics(SimpleNamespace(kv_transfer_config=None), types, ["engine"], {0: ["0"]})
+    for report in reports:
+        metrics.observe(KVHarborStats(data=dict(report)).to_dict(), 0)
+    return registry
+
+
+def said(caplog: pytest.LogCaptureFixture, text: str) -> int:
+    return sum(text in record.getMessage() for record in caplog.records)
+
+
+def test_a_first_tier_that_cannot_keep_up_costs_saves_never_the_engines_steps(
+    real_gateway: RealGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The gateway's writes stall (its first tier cannot keep up) while room is lent as usual.
+    The first step lands its chunk itself (the saver is idle) and its commit stalls; no later
+    step waits for it: each copies its chunks out of the blocks into staging of its own and is
+    queued, the chunks without staging room (engine.save_staging_mb_max: 2 here) or without a
+    place in the queue (engine.save_queue_steps_max: 2) are dropped, and a step that ends a
+    prompt stops waiting for its saves after engine.save_wait_ms (0). Every chunk not saved is
+    counted, reaches the Prometheus series, and each cause is said once. Had a step waited for
+    the stalled write, it would have returned only once the stall gave up (`Stall.outlasted`)."""
+    gateway, kv = real_gateway, caches(seed=13)
+    keys = [bytes([40 + i]) * 16 for i in range(6)]
+    original = {name: t.clone() for name, t in kv.items()}
+    side = worker(gateway, kv, save_staging_mb_max=2, save_queue_steps_max=2, save_wait_ms=0)  # a chunk is 1 MiB
+    try:
+        with gateway.stalled_writes() as stall, caplog.at_level(logging.WARNING, "kvharbor"):
+            save_step(side, keys[0:1], [1, 2])  # Landed by the step; its commit waits at the stall.
+            assert stall.reached.wait(WAIT_S)
+            save_step(side, keys[1:2], [3, 4], ends_prompt=True)  # Snapshotted, queued; not waited for.
+            save_step(side, keys[2:4], [5, 6, 7, 8])  # One chunk has staging room, one is dropped.
+            save_step(side, keys[4:5], [9, 10])  # The queue is full: dropped.
+            save_step(side, keys[5:6], [11, 12])  # Again, not said again.
+            assert not stall.outlasted  # No step waited for the stalled write.
+            for t in kv.values():
+                t.zero_()  # Later steps reuse the blocks: the queued saves hold copies of their own.
+            behind = side.take_stats()
+    finally:
+        side.close()  # The writes go through (the stall is over): the saver lands and commits what it holds.
+    after = side.take_stats()
+    assert (behind["save_dropped"], behind["saves_pending"], behind["stored_chunks"]) == (3, 3, 0)
+    assert (after["save_dropped"], after["saves_pending"], after["stored_chunks"]) == (0, 0, 3)
+    registry = exported(behind, after)
+    assert registry.get_sample_value("vllm:kvharbor_save_dropped_total", {"engine": "0"}) == 3
+    assert registry.get_sample_value("vllm:kvharbor_stored_chunks_total", {"engine": "0"}) == 3
+    assert said(caplog, "engine.save_staging_mb_max") == 1
+    assert said(caplog, "engine.save_queue_steps_max") == 1
+    assert said(caplog, "engine.save_wait_ms") == 1
+    assert [gateway.holds([key]) for key in keys] == [1, 1, 1, 0, 0, 0]
+    restored = caches(seed=None)
+    reader = worker(gateway, restored)
+    try:
+        reader.load(KVHarborMetadata(loads=[transfer(keys[:3], [1, 2, 3, 4, 5, 6])]))
+        assert reader.take_load_errors() == set()
+    finally:
+        reader.close()
+    assert same_pages(restored, [1, 2, 3, 4, 5, 6], original, [1, 2, 3, 4, 5, 6])  # What the steps had.
+
+
+def test_chunks_the_gateway_has_no_room_for_are_dropped_and_counted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another client holds the room the gateway lends (gateway.in_place_mb_max in place, the
+    ring's): a step's chunks find none by gateway.ring_wait_ms (0 here), are dropped and
+    counted, said once; none of them is taken for stored already."""
+    gateway = RealGateway(tmp_path / "gateway", ring_mb=2, ring_mb_min=1, ring_wait_ms=0, in_place_mb_max=1).start()
+    holder = gateway.client("holder")
+    try:
+        value = 1 << 20  # A chunk's size here.
+        held = [holder.prepare_put(bytes(16), [(bytes([200]) * 16, value)])]  # In place: the budget.
+        while not held[-1].no_room:  # Then the ring, value by value, until it has no room for one.
+            held.append(holder.prepare_put(bytes(16), [(bytes([201 + len(held)]) * 16, value)]))
+        side = worker(gateway, caches(seed=14))
+        try:
+            with caplog.at_level(logging.WARNING, "kvharbor"):
+                save_step(side, [K0], [1, 2])
+                save_step(side, [K1], [3, 4])
+        finally:
+            side.close()
+        stats = side.take_stats()
+        assert (stats["save_dropped"], stats["stored_chunks"], stats["saves"]) == (2, 0, 2)
+        assert said(caplog, "gateway.ring_wait_ms") == 1
+        assert side._save_link.counters.no_room_chunks == 2
+    finally:
+        holder.close()
+        gateway.close()
+    assert exported(stats).get_sample_value("vllm:kvharbor_save_dropped_total", {"engine": "0"}) == 2

@@ -61,7 +61,7 @@ def make_copy(
     groups: list[int] | None = None,
 ) -> PageCopy:
     if backend == "host":
-        return HostCopy(tensors, BLOCKS, PER_CHUNK, load_batch_bytes, groups)
+        return HostCopy(tensors, BLOCKS, PER_CHUNK, load_batch_bytes, save_staging_bytes_max, groups)
     # Three load requests under way over the two staging slots: a slot is reused while the
     # request that used it before is still held.
     return DeviceCopy(tensors, BLOCKS, PER_CHUNK, load_batch_bytes, save_staging_bytes_max, groups, 3, 0)
@@ -228,6 +228,43 @@ def test_what_a_save_reads_after_the_step(backend: str) -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_snapshot_holds_the_chunks_the_step_had_within_the_save_staging(backend: str) -> None:
+    """A host save whose step cannot wait for the saver copies the chunks to be staged out of
+    their blocks (`StepSave.snapshot`): staged after the blocks were reused, they are still the
+    step's. Only the leading chunks that fit the staging are kept, with no wait; its room
+    comes back with the save. A device save holds its snapshot already: it keeps them all."""
+    src = layers()
+    copy = make_copy(backend, src)
+    size = copy.chunk_bytes
+    if isinstance(copy, HostCopy):
+        copy.save_staging_bytes_max = 2 * size
+    chunks = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]
+    before = [b"".join(stored_block(backend, src[layer], b) for layer in range(LAYERS) for b in c) for c in chunks]
+    save = copy.open_save([[c] for c in chunks], 0)
+    assert save is not None
+    save.close()
+    assert save.snapshot([2, 0, 1]) == (2 if backend == "host" else 3)  # The host's staging holds two.
+    for t in src:
+        t[1:13] = 0  # the next step reuses the blocks
+    shm = Shm(2 * size)
+    for at, chunk in enumerate((2, 0)):
+        save.stage(chunk, shm.mapping, shm.span(at * size, size))
+    save.flush(shm.mapping).synchronize()
+    assert bytes(shm.buffer) == before[2] + before[0]
+    if isinstance(copy, HostCopy):
+        with pytest.raises(ValueError, match="not a whole chunk of the snapshot"):
+            save.stage(1, shm.mapping, shm.span(0, size))  # Not kept.
+        assert copy.staging_bytes == 2 * size
+        other = copy.open_save([[chunks[0]]], 0)
+        assert other is not None and other.snapshot([0]) == 0  # Full: none kept, no wait.
+        other.release()
+        save.release()
+        assert copy.staging_bytes == 0  # Given back with the save.
+    else:
+        save.release()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_wrong_sizes_and_blocks_past_a_chunk_are_refused(backend: str) -> None:
     copy = make_copy(backend, layers())
     shm = Shm(2 * copy.chunk_bytes)
@@ -257,6 +294,21 @@ def test_device_save_staging_is_bounded() -> None:
     first.release()  # once only
     again = copy.open_save([[[9, 10, 11, 12]]], 0)
     assert again is not None and copy.staging_bytes == size
+    again.release()
+
+
+def test_a_device_save_without_room_for_all_its_chunks_keeps_the_leading_ones_that_fit() -> None:
+    copy = DeviceCopy(layers(), BLOCKS, PER_CHUNK, 1, 1, None, loads_in_flight_max=2, layered_row_bytes=0)
+    copy.save_staging_bytes_max = 2 * copy.chunk_bytes
+    held = copy.open_save([[[1, 2, 3, 4]]], 0)
+    assert held is not None
+    # Without a wait (engine.save_staging_wait_ms 0), what the room left takes.
+    partial = copy.open_save([[[5, 6, 7, 8]], [[9, 10, 11, 12]]], 0)
+    assert partial is not None and partial.chunks == 1
+    assert copy.open_save([[[13, 14, 15, 16]]], 0) is None
+    held.release()
+    partial.release()
+    assert copy.staging_bytes == 0
 
 
 # -- pinning, timing --------------------------------------------------------------------
@@ -708,21 +760,19 @@ def stored(saver: DataPath, keys: list[bytes], blocks: list[int]) -> int:
         parts.done()
 
 
-@pytest.mark.parametrize("land", [True, False])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_the_step_that_ends_a_prompt_waits_for_its_saves_to_land(gateway_config: Any, backend: str, land: bool) -> None:
-    """A step whose answer may go out first (it computes a prompt's last chunk) returns only
-    once its chunks are in shared memory and marked (``engine.saves_land_before_answer``):
-    a device's staged saves too, which other steps leave to the saver thread."""
-    path, _ = data_path(
-        gateway_config, make_copy(backend, layers()), engine=EngineSection(saves_land_before_answer=land)
-    )
+def test_a_save_tells_whether_it_ends_a_prompt_and_reads_the_blocks(gateway_config: Any, backend: str) -> None:
+    """What the worker decides a step's wait by: a step whose answer may go out first (it
+    computes a prompt's last chunk) waits for its saves to land
+    (``engine.saves_land_before_answer``), and one whose fill reads the blocks (the host's)
+    lands them within the step or snapshots them first."""
+    path, _ = data_path(gateway_config, make_copy(backend, layers()))
     try:
         assert path.map()
         keys = [bytes([8, i]) * 8 for i in range(2)]
         middle = ChunkTransfer("r", [keys[:1]], block_ids=[[1, 2, 3, 4]])
         last = ChunkTransfer("r", [keys[1:]], block_ids=[[5, 6, 7, 8]], ends_prompt=True)
-        waits = []
+        ends = []
         for save in (middle, last):
             meta = KVHarborMetadata(saves=[save])
             path.begin_step(meta)
@@ -731,12 +781,11 @@ def test_the_step_that_ends_a_prompt_waits_for_its_saves_to_land(gateway_config:
             parts = path.end_step(meta)
             assert parts is not None
             assert parts.reads_blocks == (backend == "host")
-            waits.append(parts.step_waits)
+            ends.append(parts.ends_prompt)
             parts.done()
     finally:
         path.close()
-    # Host steps always wait (their fill reads the blocks); device ones only at a prompt's end.
-    assert waits == ([True, True] if backend == "host" else [False, land])
+    assert ends == [False, True]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -754,7 +803,7 @@ def test_the_data_path_saves_and_restores_through_the_gateway(gateway_config: An
         parts = saver.end_step(meta)
         assert parts is not None and parts.keys == keys
         # Host pages are read from the blocks; device ones from staging, and this step ends no prompt.
-        assert parts.reads_blocks == parts.step_waits == (backend == "host")
+        assert parts.reads_blocks == (backend == "host") and not parts.ends_prompt
         items = [(k, saver.copy.chunk_bytes) for k in keys]
         stored = saver._save_link.store(saver.fingerprint, items, parts.fill, parts.settle)
         parts.done()
@@ -995,7 +1044,7 @@ def test_a_step_that_waited_for_staging_is_not_a_prefill_sample() -> None:
         CacheLink(Config(), "save", connect=lambda c, n: None, switch=switch),  # type: ignore[arg-type,return-value]
     )
     copy = DeviceCopy(layers(), BLOCKS, PER_CHUNK, 1, 1, None, loads_in_flight_max=2, layered_row_bytes=0)
-    path, _ = data_path(Config(), copy, links=links)
+    path, _ = data_path(Config(), copy, links=links, engine=EngineSection(save_staging_wait_ms=60_000))
     path.mappings = [Shm(copy.chunk_bytes).mapping, Shm(copy.chunk_bytes).mapping]
     meta = KVHarborMetadata(saves=[ChunkTransfer("r", [[b"k" * 16]], block_ids=[[1, 2, 3, 4]])])
     path.begin_step(meta)

@@ -57,6 +57,13 @@ class StepSave(Protocol):
         """End of the step: gather what the forward pass did not report; once the engine's
         stream has passed this point the step's blocks may be reused."""
 
+    def snapshot(self, chunks: Sequence[int]) -> int:
+        """After `close`, on the engine's thread: make the save of ``chunks`` (the ones that
+        will be staged, in order) independent of the step's blocks, a copy of their pages of
+        its own within the copy's save staging, so that they may be staged after the step
+        returns; returns how many of the leading ones it keeps (the rest are not saved). A
+        copy that `PageCopy.snapshots_saves` keeps them all."""
+
     def stage(self, chunk: int, mapping: PinnedMapping, view: memoryview) -> None:
         """Chunk ``chunk`` is to be stored in ``view`` (lent by the gateway)."""
 
@@ -81,7 +88,8 @@ class PageCopy(Protocol):
     snapshots_saves: bool
     """True: `StepSave.close` leaves the step's pages copied into staging of the save's own,
     so the saver thread may fill shared memory later. False: the pages are read from the
-    blocks when the save is staged, so the step must wait for that before its blocks are reused."""
+    blocks when the save is staged, so the step must wait for that before its blocks are
+    reused, unless it takes a `StepSave.snapshot` first."""
     staging_waited_s: float
     """How long the latest `open_save` waited for staging room: 0.0 when it had room at once
     (a step that waited is no prefill sample)."""

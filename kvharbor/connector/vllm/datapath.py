@@ -16,7 +16,9 @@ One algorithm for a cache in host memory and one on a GPU, over a `copier.PageCo
   writes its first layer, gather layer by layer as the forward reports them
   (``save_kv_layer``), close at the end of the step; the saver thread then
   stages each chunk into the view the gateway lent, flushes and waits (the
-  `SaveParts`), and commits.
+  `SaveParts`), and commits. A save that cannot be made without waiting for
+  the storage is dropped instead, counted in ``save_dropped`` and said once
+  per cause (`Dropped`).
 
 Both links' mappings of the gateway's shared memory are seen as byte tensors
 (`pinning.PinnedMapping`), page-locked when the cache is on a GPU: if that
@@ -26,6 +28,7 @@ and the engine keeps serving.
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
@@ -51,6 +54,34 @@ Count = Callable[..., None]
 
 SavesOf = Callable[["KVHarborMetadata"], "Sequence[ChunkTransfer]"]
 """The transfers of a step's metadata that a data path saves."""
+
+
+class Dropped(enum.Enum):
+    """Why chunks of a step were not saved; the value names what bounds it. Every one is
+    counted in the engine stat ``save_dropped`` and each cause said once (`count_dropped`):
+    a tier that cannot keep up costs future misses, never the engine's steps."""
+
+    QUEUE = "engine.save_queue_steps_max steps' saves are queued behind the storage already"
+    STAGING = (
+        "the staging of saves waiting for the storage is full (engine.save_staging_mb_max; a GPU step "
+        "waits engine.save_staging_wait_ms for room)"
+    )
+    RING = (
+        "the gateway had no room for them in shared memory by gateway.ring_wait_ms (gateway.ring_mb, "
+        "gateway.in_place_mb_max)"
+    )
+
+
+def count_dropped(count: Count, once: OnceLog, why: Dropped, chunks: int) -> None:
+    """Count ``chunks`` not saved, and say ``why`` the first time it happens."""
+    if chunks <= 0:
+        return
+    count(save_dropped=chunks)
+    once.say(
+        f"dropped:{why.name}",
+        f"{chunks} chunk(s) of a step not saved: {why.value}. The engine does not wait for the "
+        "storage; they will be misses (counted in vllm:kvharbor_save_dropped_total; said once)",
+    )
 
 
 def chunk_saves(meta: KVHarborMetadata) -> Sequence[ChunkTransfer]:
@@ -98,7 +129,7 @@ class _Copies:
 
 @dataclass(frozen=True, slots=True)
 class SaveParts:
-    """What the saver thread needs to store one step's chunks."""
+    """What the saver needs to store one step's chunks."""
 
     keys: list[bytes]
     fill: Callable[[int, memoryview], None]
@@ -107,13 +138,15 @@ class SaveParts:
     """Make the staged copies and wait for them: after it every filled value's bytes are
     in shared memory (before the commit)."""
     done: Callable[[], None]
-    """Give the save's resources back (always called, also when the store failed)."""
+    """Give the save's resources back (always called once, also when the store failed)."""
     reads_blocks: bool
-    """The pages are read from the step's blocks when filled (no staging of our own): a
-    fill after the step returned may read blocks the engine reused, and is not stored."""
-    step_waits: bool
-    """The step returns only once the values are filled and marked complete: always when
-    the fill reads the blocks, else for a step that ends a prompt (``saves_land_before_answer``)."""
+    """The pages are read from the step's blocks when filled (no staging of our own): they
+    must be filled before the step returns, unless `snapshot` takes them out first."""
+    snapshot: Callable[[], int]
+    """`StepSave.snapshot` of the values, in ``keys``' order: how many leading ones it kept."""
+    ends_prompt: bool
+    """Some value is a prompt's last chunk: the step's answer may go out first
+    (``engine.saves_land_before_answer``)."""
     fingerprint: bytes
     """The layout the values are stored under (chunk objects', or a hybrid model's states')."""
     value_bytes: int
@@ -149,7 +182,6 @@ class DataPath:
         self._count = count
         self._save_staging_wait_s = engine.save_staging_wait_ms / 1000
         self._stall_s = engine.prefill_sample_stall_ms_max / 1000
-        self._land_before_answer = engine.saves_land_before_answer
         self._layered_bytes = engine.load_layered_bytes
         self._register = register
         self.mappings: list[PinnedMapping] = []
@@ -361,8 +393,8 @@ class DataPath:
             settle=lambda: save.flush(mapping).synchronize(),
             done=save.release,
             reads_blocks=not self.copy.snapshots_saves,
-            step_waits=not self.copy.snapshots_saves
-            or (self._land_before_answer and any(s.ends_prompt for s in meta.saves)),
+            snapshot=lambda: save.snapshot(kept),
+            ends_prompt=any(s.ends_prompt for s in meta.saves),
             fingerprint=self.fingerprint,
             value_bytes=self.copy.chunk_bytes,
         )
@@ -375,14 +407,7 @@ class DataPath:
         save = self.copy.open_save(plan.blocks, self._save_staging_wait_s)
         self.stalled = self.copy.staging_waited_s > self._stall_s
         kept = save.chunks if save is not None else 0
-        if kept < len(plan.keys):
-            self._count(save_dropped=len(plan.keys) - kept)
-            self._once.say(
-                "staging",
-                f"{len(plan.keys) - kept} of a step's {len(plan.keys)} chunks not saved: device staging for "
-                "saves is full (engine.save_staging_mb_max, waited engine.save_staging_wait_ms); they will be "
-                "misses (said once)",
-            )
+        count_dropped(self._count, self._once, Dropped.STAGING, len(plan.keys) - kept)
         self._save, self._save_keys, self._save_requests = save, plan.keys[:kept], plan.requests[:kept]
 
     def close(self) -> None:

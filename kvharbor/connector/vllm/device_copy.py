@@ -307,25 +307,28 @@ class DeviceCopy(Holding):
     # -- saves: blocks -> staging (during the forward) -> shared memory (behind it) ------
 
     def open_save(self, block_ids: Sequence[GroupBlocks], wait_s: float) -> StepSave | None:
-        """Staging for the chunks that fit in ``save_staging_bytes_max``."""
-        chunks = min(len(block_ids), self.save_staging_bytes_max // self.chunk_bytes)
-        if chunks <= 0:
+        """Staging for the chunks that fit in ``save_staging_bytes_max``: all of them, once
+        earlier saves have given back enough (at most ``wait_s`` later), or the leading ones
+        the room then left takes."""
+        wanted = min(len(block_ids), self.save_staging_bytes_max // self.chunk_bytes)
+        if wanted <= 0:
             return None
-        nbytes = chunks * self.chunk_bytes
         with self._staging:
 
-            def fits() -> bool:
-                return self._staging_bytes + nbytes <= self.save_staging_bytes_max
+            def room() -> int:
+                return (self.save_staging_bytes_max - self._staging_bytes) // self.chunk_bytes
 
             # Only the wait itself counts as a stall, not the time this thread took to get
             # here: a loaded machine must not turn every step into a stalled one.
             self.staging_waited_s = 0.0
-            if not fits():
+            if room() < wanted and wait_s > 0:
                 started = time.perf_counter()
-                room = self._staging.wait_for(fits, timeout=wait_s)
+                self._staging.wait_for(lambda: room() >= wanted, timeout=wait_s)
                 self.staging_waited_s = time.perf_counter() - started
-                if not room:
-                    return None
+            chunks = min(wanted, room())
+            if chunks <= 0:
+                return None
+            nbytes = chunks * self.chunk_bytes
             self._staging_bytes += nbytes
         per_group = [[b for blocks in block_ids[:chunks] for b in blocks[g]] for g in range(self.pages.group_count)]
         if any(len(flat) != chunks * self.blocks_per_chunk for flat in per_group):
@@ -421,6 +424,9 @@ class _DeviceSave:
                 self.gather_layer(layer)
         self.ready = self.copy.gathers.record()
         engine_stream(self.copy.device).wait(self.ready)
+
+    def snapshot(self, chunks: Sequence[int]) -> int:
+        return len(chunks)  # Gathered into staging of its own by `close`.
 
     def stage(self, chunk: int, mapping: PinnedMapping, view: memoryview) -> None:
         if view.nbytes != self.copy.chunk_bytes or not 0 <= chunk < self.chunks:

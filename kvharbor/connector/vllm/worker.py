@@ -18,14 +18,15 @@ tensor-parallel ranks agree on what each step restored
 saves the step's chunks of a request whose restore fell short on any rank
 (they were computed over blocks that were not restored).
 
-Saves take each completed chunk's pages before the step's blocks may be
-reused (gathered into device staging during the forward pass on a GPU; copied
-into shared memory at the end of the step on the CPU) and hand the rest — the
-copy out of staging and the commit, the storage write — to a background
-thread, so the storage write is off the engine's critical path. Loads and
-saves use separate gateway connections so a slow storage write never delays
-a load. The copies themselves are `datapath.DataPath`'s, one algorithm on
-either device.
+Saves take each completed chunk's pages before the step's blocks may be reused
+and hand the storage write to a background thread (the saver), so that the
+engine's steps never wait for the storage. Loads and saves use separate gateway
+connections so a slow storage write never delays a load. The copies themselves
+are `datapath.DataPath`'s, one algorithm on either device. A save is *landed*
+(`CacheLink.land`: the gateway lends places, the values are copied in and
+marked complete) and then *committed* (the storage write into the first tier).
+One connection answers one request at a time, so a landing on the save link
+waits for the commit under way: that is the wait the step must not make.
 
 Saves land even when vLLM kills the engine. What vLLM 0.32 does on SIGINT or
 SIGTERM with its default ``--shutdown-timeout 0``: the API server's handler
@@ -37,26 +38,41 @@ descendant (the worker runs inside the engine core at TP=1, in children of it
 otherwise). The engine core's own handler (abort mode) never gets to tear
 down, so the connector's ``shutdown()`` is not called and a commit still on
 the saver thread dies with the process. Hence completion marks
-(`protocol.write_mark`): the saver marks each value in shared memory once its
-bytes are there (`CacheLink.store`, after ``settle``), and a gateway whose
-client went away stores exactly the marked values (`Transfers.commit_marked`).
-The alternative, committing before the step returns, puts the storage write
-on the critical path of every prefill; ``bench/saves.py`` measures it: on a
-2-core CPU machine it added 83-128 ms per 2,000-token prompt with the default
-file tier (1.7 % of that slow prefill) where the marks cost nothing
-measurable; on a GPU, whose prefill is ~100x faster and whose KV is the same
-size, the commit would dominate the time to first token.
+(`protocol.write_mark`): a landing marks each value in shared memory once its
+bytes are there, and a gateway whose client went away stores exactly the
+marked values (`Transfers.commit_marked`). The alternative, committing before
+the step returns, puts the storage write on the critical path of every
+prefill; ``bench/saves.py`` measures it: on a 2-core CPU machine it added
+83-128 ms per 2,000-token prompt with the default file tier (1.7 % of that
+slow prefill) where the marks cost nothing measurable; on a GPU, whose
+prefill is ~100x faster and whose KV is the same size, the commit would
+dominate the time to first token.
 
-- CPU (`SaveParts.reads_blocks`): the step waits for the copies into shared
-  memory, and the marks are written before it is released. When the step
-  returns, every chunk it saved is marked: a response can only follow.
-- GPU: a step only gathers into device staging; the saver thread prepares
-  the put, starts the device-to-host copy and marks the values once it has
-  waited for that copy. The step that computes a prompt's last chunk (the
-  one whose answer may go out first) waits for that, as a CPU step does
-  (``engine.saves_land_before_answer``, on by default): its cost is that
-  step's copy out, plus whatever saves were queued before it. With it off, a
-  kill within that time loses the step's chunks.
+What a step waits for, from saves, and its bound:
+
+- CPU (`SaveParts.reads_blocks`), the saver idle: the step lands its chunks
+  itself, straight from the blocks into shared memory: the gateway's answer
+  (room within ``gateway.ring_wait_ms``; a silent gateway turns the cache off
+  after ``gateway.request_timeout_ms``) and the copy. When the step returns,
+  every chunk it saved is marked.
+- CPU, the saver busy (a save queued, landing or committing): the step copies
+  its chunks out of the blocks into host staging of the save's own
+  (`StepSave.snapshot`, within ``engine.save_staging_mb_max``; no wait), and
+  the saver lands them later, as a GPU's.
+- GPU: a step only gathers into device staging (waiting for room at most
+  ``engine.save_staging_wait_ms``, 0 by default); the saver starts the
+  device-to-host copy and marks the values once it has waited for it.
+- A step that computes a prompt's last chunk (the one whose answer may go out
+  first) and has not landed its chunks itself waits for the saver to land
+  them (``engine.saves_land_before_answer``, on by default), at most
+  ``engine.save_wait_ms``: the saver lands them ahead of the commits of the
+  saves queued before them, so the step waits for the copy out and the one
+  storage write under way, not for a queue of them. Past the bound the step
+  returns; its chunks land behind it (said once), and a kill before then
+  loses them.
+- Nothing else: a full save queue (``engine.save_queue_steps_max``), full
+  staging and a gateway without room drop the chunks concerned, counted in
+  ``save_dropped`` and said once per cause (`datapath.Dropped`).
 
 The engine's counters include the last commit: while a save is queued or
 committing, the workers report ``saves_pending`` in their stats and the
@@ -71,22 +87,23 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from kvharbor.cache.bandwidth import keep_loading
 from kvharbor.cache.keys import namespace_tag
 from kvharbor.config import Config
-from kvharbor.connector.link import CacheLink, say_off
+from kvharbor.connector.link import CacheLink, Landing, say_off
 from kvharbor.connector.ranks import RankAgreement, SoleRank
 from kvharbor.connector.vllm.chunks import NULL_BLOCK
 from kvharbor.connector.vllm.copier import PageCopy
-from kvharbor.connector.vllm.datapath import DataPath, SaveParts, state_saves
+from kvharbor.connector.vllm.datapath import DataPath, Dropped, SaveParts, count_dropped, state_saves
 from kvharbor.connector.vllm.device_copy import DeviceCopy
 from kvharbor.connector.vllm.host_copy import HostCopy
 from kvharbor.connector.vllm.layout import CacheGroup, ConnectorRefusal, VllmLayout
@@ -101,16 +118,19 @@ from kvharbor.telemetry.log import OnceLog, get_logger
 _log = get_logger("kvharbor.connector.vllm")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _SaveJob:
     parts: SaveParts
     stored_stat: str
     """The stat its stored values count in: ``stored_chunks``, or ``stored_states``."""
-    filled: threading.Event
-    """Set once every value's bytes are in shared memory (or the store gave up)."""
-    gave_up: threading.Event
-    """Set by the step when it stopped waiting for ``filled``: from then on the blocks may be
-    reused, and a copy that ends later may hold another request's bytes."""
+    awaited: bool
+    """Its step waits for it to land (it ends a prompt: ``engine.saves_land_before_answer``)."""
+    landed: threading.Event = field(default_factory=threading.Event)
+    """Set once its values are in shared memory and marked complete (or landing failed)."""
+    landing: Landing | None = None
+    """What landing it gave, for the commit; None: nothing to commit."""
+    seconds: float = 0.0
+    """Spent landing it so far."""
 
 
 class _Restores:
@@ -214,8 +234,13 @@ class WorkerSide:
         self._stats_lock = threading.Lock()
         self._once = OnceLog(_log)
         self._saves: queue.Queue[_SaveJob | None] = queue.Queue(maxsize=config.engine.save_queue_steps_max)
+        """Filled by the engine's thread alone: a put after a check that it is not full finds room."""
         self._saves_pending = 0
-        """Save jobs queued or committing; under ``_stats_lock``, counted out with their stats."""
+        """Save jobs queued, landed or committing; under ``_stats_lock``, counted out with their stats."""
+        self._awaited = 0
+        """Queued save jobs not landed yet whose step waits for them; under ``_stats_lock``."""
+        self._save_wait_s = config.engine.save_wait_ms / 1000
+        self._land_before_answer = config.engine.saves_land_before_answer
         self._saver = threading.Thread(target=self._save_loop, name="kvharbor-saver", daemon=True)
         self._saver.start()
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvharbor-loader")
@@ -290,7 +315,9 @@ class WorkerSide:
         if on_gpu:
             copy: PageCopy = DeviceCopy.for_engine(tensors, num_blocks, blocks_per_chunk, engine, indices)
         else:
-            copy = HostCopy(tensors, num_blocks, blocks_per_chunk, engine.load_batch_bytes, indices)
+            copy = HostCopy(
+                tensors, num_blocks, blocks_per_chunk, engine.load_batch_bytes, engine.save_staging_bytes_max, indices
+            )
         return copy, ordered
 
     def _count_states(self, **deltas: float) -> None:
@@ -619,57 +646,103 @@ class WorkerSide:
             self._queue_save(self._state_path.end_step(meta, dropped), "stored_states")
 
     def _queue_save(self, parts: SaveParts | None, stored_stat: str) -> None:
-        """Hand one data path's save of this step to the saver thread (waiting for its copies
-        where the step must)."""
+        """Hand one data path's save of this step to the saver. The step never waits for a
+        storage write: a save that reads the blocks (a CPU's) is landed here only when the
+        saver is idle (nothing queued or committing: the link is free), else snapshotted out
+        of the blocks first, as a GPU's is gathered; a step that ends a prompt waits for its
+        saves to land, at most ``engine.save_wait_ms``. What finds no room is dropped."""
         if parts is None:
             return
-        job = _SaveJob(parts, stored_stat, threading.Event(), threading.Event())
+        if self._saves.full():
+            parts.done()
+            count_dropped(self._count, self._once, Dropped.QUEUE, len(parts.keys))
+            return
+        job = _SaveJob(parts, stored_stat, awaited=self._land_before_answer and parts.ends_prompt)
+        with self._stats_lock:
+            idle = self._saves_pending == 0
+        if parts.reads_blocks and idle:
+            # Marked complete in shared memory before the step returns, on this thread: the
+            # saver has nothing of its own on the link, so only the gateway's answer (room by
+            # gateway.ring_wait_ms at most) and the copy itself are waited for.
+            self._land(job)
+        elif parts.reads_blocks:
+            kept = parts.snapshot()
+            count_dropped(self._count, self._once, Dropped.STAGING, len(parts.keys) - kept)
+            if not kept:
+                parts.done()
+                return
+            job.parts = replace(parts, keys=parts.keys[:kept])
         with self._stats_lock:
             self._saves_pending += 1
-        try:
-            self._saves.put_nowait(job)
-        except queue.Full:
-            with self._stats_lock:
-                self._saves_pending -= 1
-            parts.done()
-            _log.warning(
-                "kvharbor: %d steps' saves waiting for storage (engine.save_queue_steps_max); this step's %d "
-                "chunks are not saved", self._saves.maxsize, len(parts.keys),
-            )  # fmt: skip
-            return
-        # Released once the values are copied and marked complete; the storage write need not wait.
-        if parts.step_waits and not job.filled.wait(self.config.gateway.request_timeout_ms / 1000 * 2):
-            job.gave_up.set()  # Before the step returns: a fill that reads the blocks then stores none of it.
+            self._awaited += int(job.awaited and not job.landed.is_set())
+        self._saves.put_nowait(job)
+        if job.awaited and not job.landed.wait(self._save_wait_s):
+            self._once.say(
+                "answer-unlanded",
+                "a step that ends a prompt returned before its saves were in shared memory: the saver was still "
+                "busy with earlier saves' storage writes after engine.save_wait_ms. They land behind the step; "
+                "an engine killed before then loses them (said once)",
+            )
 
     def _save_loop(self) -> None:
-        while (job := self._saves.get()) is not None:
-            started = time.perf_counter()
-            parts = job.parts
-            items = [(key, parts.value_bytes) for key in parts.keys]
-            stored = 0
-            try:
-                # ``settle`` is the one place after which every filled value's bytes are known
-                # to be complete in shared memory (the staged copies have landed): the link
-                # marks them then, and only then is the step released.
-                in_time = (lambda: not job.gave_up.is_set()) if parts.reads_blocks else None
-                stored = self._save_link.store(
-                    parts.fingerprint, items, parts.fill, parts.settle, job.filled.set, in_time, self.namespace
+        """Land each queued save, then commit it. A save whose step waits for it (it ends a
+        prompt) is landed ahead of the commits of the saves queued before it, which the step
+        would otherwise wait for as well: it waits for no more than the commit under way."""
+        landed: deque[_SaveJob] = deque()
+        while True:
+            with self._stats_lock:
+                awaited = self._awaited
+            if landed and not awaited:
+                self._commit(landed.popleft())
+                continue
+            job = self._saves.get()
+            if job is None:
+                break
+            if not job.landed.is_set():
+                self._land(job)
+                with self._stats_lock:
+                    self._awaited -= int(job.awaited)
+            landed.append(job)
+        while landed:
+            self._commit(landed.popleft())
+
+    def _land(self, job: _SaveJob) -> None:
+        """Put a save's values into shared memory and mark them complete (`CacheLink.land`)."""
+        started = time.perf_counter()
+        parts = job.parts
+        try:
+            job.landing = self._save_link.land(
+                parts.fingerprint, [(key, parts.value_bytes) for key in parts.keys], parts.fill, parts.settle,
+                self.namespace,
+            )  # fmt: skip
+            count_dropped(self._count, self._once, Dropped.RING, job.landing.no_room)
+        except Exception:
+            # A bug in a copy must not end the saver (every later save would queue behind it).
+            _log.exception("kvharbor: internal error saving %d chunks; they are not saved", len(parts.keys))
+        finally:
+            parts.done()  # The bytes are in shared memory: staging is free before the storage write.
+            job.seconds += time.perf_counter() - started
+            job.landed.set()
+
+    def _commit(self, job: _SaveJob) -> None:
+        """Store a landed save's values, and count it out with its stats."""
+        started = time.perf_counter()
+        stored = 0
+        try:
+            if job.landing is not None:
+                stored = self._save_link.commit(job.landing)
+        except Exception:
+            _log.exception("kvharbor: internal error storing %d chunks; they are not saved", len(job.parts.keys))
+        finally:
+            with self._stats_lock:  # Counted out with its stats, in one step's report.
+                self._saves_pending -= 1
+                self._add(
+                    saves=int(job.stored_stat == "stored_chunks"),  # A step's save, not its states'.
+                    save_seconds=job.seconds + time.perf_counter() - started,
+                    stored_bytes=stored * job.parts.value_bytes,
+                    cache_off=int(self._save_link.is_off),
+                    **{job.stored_stat: stored},
                 )
-            except Exception:
-                # A bug in a copy must not end the saver (every later step would wait for it).
-                _log.exception("kvharbor: internal error saving %d chunks; they are not saved", len(items))
-            finally:
-                job.filled.set()
-                parts.done()
-                with self._stats_lock:  # Counted out with its stats, in one step's report.
-                    self._saves_pending -= 1
-                    self._add(
-                        saves=int(job.stored_stat == "stored_chunks"),  # A step's save, not its states'.
-                        save_seconds=time.perf_counter() - started,
-                        stored_bytes=stored * parts.value_bytes,
-                        cache_off=int(self._save_link.is_off),
-                        **{job.stored_stat: stored},
-                    )
 
     # -- stats and shutdown ----------------------------------------------------------
 
