@@ -128,29 +128,55 @@ def gateway_process(
         log.close()
 
 
+class EngineProcess:
+    """A benchmark engine process started by `start_engine_process`."""
+
+    def __init__(self, name: str, child: subprocess.Popen[bytes], log_path: Path) -> None:
+        self.name = name
+        self.child = child
+        self.log_path = log_path
+
+    def report(self) -> dict[str, Any]:
+        """Wait for it (at most `ENGINE_TIMEOUT_S` from now) and return the JSON of the last
+        `BENCH_LINE_PREFIX` line it printed."""
+        try:
+            self.child.wait(ENGINE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.child.kill()
+            self.child.wait()
+        lines = [
+            ln for ln in self.log_path.read_text(errors="replace").splitlines() if ln.startswith(BENCH_LINE_PREFIX)
+        ]
+        if not lines:
+            raise SystemExit(f"bench: the engine {self.name} reported nothing; its log: {self.log_path}")
+        return dict(json.loads(lines[-1][len(BENCH_LINE_PREFIX) :]))
+
+
+def start_engine_process(
+    script: str, spec: Mapping[str, Any], env: Mapping[str, str | None], workdir: Path, tmp: Path, name: str
+) -> EngineProcess:
+    """``script --engine SPEC`` as a fresh offline vLLM engine process, started and left
+    running: ``spec`` as JSON in ``workdir``, none of this process's ``KVHARBOR``/``VLLM_``
+    variables, vLLM in one process with its own ``TMPDIR`` (``tmp``: it leaves sockets
+    there), ``env`` added (a None there leaves that variable unset); its output in
+    ``workdir/engine-NAME.log``. Several may run at once (each ``name`` its own)."""
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith(("KVHARBOR", "VLLM_"))}
+    child_env.update(HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="2")
+    child_env.update({k: v for k, v in env.items() if v is not None}, TMPDIR=str(tmp))
+    for unset in (k for k, v in env.items() if v is None):
+        child_env.pop(unset, None)
+    spec_path = workdir / f"engine-spec-{name}.json"
+    spec_path.write_text(json.dumps(spec))
+    log_path = workdir / f"engine-{name}.log"
+    with open(log_path, "wb") as log:  # The child holds its own descriptor of it.
+        child = subprocess.Popen(
+            [sys.executable, script, "--engine", str(spec_path)], env=child_env, stdout=log, stderr=subprocess.STDOUT
+        )
+    return EngineProcess(name, child, log_path)
+
+
 def run_engine_process(
     script: str, spec: Mapping[str, Any], env: Mapping[str, str], workdir: Path, tmp: Path, name: str
 ) -> dict[str, Any]:
-    """``script --engine SPEC`` as a fresh offline vLLM engine process: ``spec`` as JSON in
-    ``workdir``, none of this process's ``KVHARBOR``/``VLLM_`` variables, vLLM in one process
-    with its own ``TMPDIR`` (``tmp``: it leaves sockets there), ``env`` added; its output in
-    ``workdir/engine-NAME.log``. Returns the JSON of the last `BENCH_LINE_PREFIX` line it printed."""
-    child_env = {k: v for k, v in os.environ.items() if not k.startswith(("KVHARBOR", "VLLM_"))}
-    child_env.update(HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="2")
-    child_env.update(env, TMPDIR=str(tmp))
-    spec_path = workdir / "engine-spec.json"
-    spec_path.write_text(json.dumps(spec))
-    log_path = workdir / f"engine-{name}.log"
-    with open(log_path, "wb") as log:
-        subprocess.run(
-            [sys.executable, script, "--engine", str(spec_path)],
-            env=child_env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            check=False,
-            timeout=ENGINE_TIMEOUT_S,
-        )
-    lines = [ln for ln in log_path.read_text(errors="replace").splitlines() if ln.startswith(BENCH_LINE_PREFIX)]
-    if not lines:
-        raise SystemExit(f"bench: the engine {name} reported nothing; its log: {log_path}")
-    return dict(json.loads(lines[-1][len(BENCH_LINE_PREFIX) :]))
+    """`start_engine_process`, then its `EngineProcess.report`."""
+    return start_engine_process(script, spec, env, workdir, tmp, name).report()
