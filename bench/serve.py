@@ -603,6 +603,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     flat = {
         f"{r['mode']}_{k}": v for r in results if "error" not in r for k, v in r.items() if isinstance(v, (int, float))
     }
+    if not flat:
+        print("serve: no mode ran; each one's reason is above", file=sys.stderr)
+        return 1
     emit(flat, ratios(results), args.json)
     return 0
 

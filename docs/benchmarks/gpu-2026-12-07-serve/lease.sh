@@ -1,7 +1,7 @@
 #!/bin/bash
 # The GPU lease of issue 40 (kvharbor under load beside vLLM's own offloading), run from the repository
 # root on the device machine: bash <this file> STEP. Steps, back to back while the machine stays up:
-# p0 .. p3 (a vLLM part of 58 MiB each, carried as .whl/vllm.partNN), p4 (the last part, then vLLM 0.26
+# p0 .. p4 (a vLLM part of 48 MiB each, carried as .whl/vllm.partNN), p5 (the last part, then vLLM 0.26
 # installed), then the runs, each carrying .whl/deps: `load` (every mode, one after another, on one
 # slice: closed loop of CLIENTS clients) and `restart` (the slice again, each engine restarted half-way).
 # The GPU's own prefix cache is held to GPU_BLOCKS blocks of 16 tokens (a production engine's KV room is
@@ -16,7 +16,7 @@ wheel=$HOME/w/vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl
 REQUESTS=${REQUESTS:-400} CLIENTS=${CLIENTS:-16} GPU_BLOCKS=${GPU_BLOCKS:-4096} CPU_GB=${CPU_GB:-32} DISK_GB=${DISK_GB:-24}
 serve() {  # serve TAG [more bench/serve.py arguments]
   local tag=$1; shift
-  python3 bench/serve.py --model /tmp/kvh-llama31-8b --block-tokens 128 --max-model-len 16384 \
+  python3 bench/serve.py --trace ${TRACE:-../shared/data/traces/mooncake_conversation_trace.jsonl} --model /tmp/kvh-llama31-8b --block-tokens 128 --max-model-len 16384 \
     --output-scale 0.1 --output-tokens-max 64 --requests $REQUESTS --clients $CLIENTS --cpu-gb $CPU_GB --disk-gb $DISK_GB \
     --server-args "--load-format dummy --skip-tokenizer-init --dtype bfloat16 --gpu-memory-utilization 0.85 --num-gpu-blocks-override $GPU_BLOCKS --max-num-seqs 32" \
     --out /tmp/serve-$tag --plan --plan-args "--engines 1 --model llama-3.1-8b --gpu h100 --ram-gb $CPU_GB" "$@" 2>&1 | tee $OUT/$tag.log | grep -v '^MODE' | tail -40
@@ -25,9 +25,9 @@ serve() {  # serve TAG [more bench/serve.py arguments]
   rm -rf /tmp/serve-$tag/*/vllm-fs /tmp/serve-$tag/*/kvharbor-files  # The next run's disk.
 }
 case $step in
-p0|p1|p2|p3) cp .whl/vllm.part0${step#p} $HOME/w/ && ls $HOME/w ;;
-p4)
-  cp .whl/vllm.part04 $HOME/w/ && cat $HOME/w/vllm.part0? > $wheel && rm -f $HOME/w/vllm.part0? || exit 1
+p0|p1|p2|p3|p4) cp .whl/vllm.part0${step#p} $HOME/w/ && ls $HOME/w ;;
+p5)
+  cp .whl/vllm.part05 $HOME/w/ && cat $HOME/w/vllm.part0? > $wheel && rm -f $HOME/w/vllm.part0? || exit 1
   echo "$(cat .whl/vllm.sha256)  $wheel" | sha256sum -c || exit 1
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $HOME/site $wheel || exit 1
   echo "vllm installed" ;;
