@@ -217,6 +217,17 @@ class TieredStore:
                 return tier.read_shared(key, fingerprint, touch)
         return None
 
+    def get_shared_run(self, keys: Sequence[bytes], fingerprint: bytes) -> list[SharedHit]:
+        """The leading ``keys`` the first tier holds and serves in place, pinned (see
+        `Tier.read_shared_run`; recency left to a later `touch`): a caller goes on from the
+        first key not among them with `get_shared` and `get`."""
+        if not self.tiers:
+            return []
+        first = self.tiers[0]
+        held = first.contains(keys)
+        leading = held.index(False) if False in held else len(held)
+        return first.read_shared_run(keys[:leading], fingerprint)
+
     # -- updates -----------------------------------------------------------
 
     def put(

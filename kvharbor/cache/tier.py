@@ -344,10 +344,49 @@ class Tier:
         with self._attempt(TierOp.GET) as attempt:
             if not attempt.allowed:
                 return None
-            return self._pin_verified(device, key, self._stored_fingerprint(fingerprint), touch)
+            hit = self._pin_verified(device, key, self._stored_fingerprint(fingerprint))
+            if hit is not None:
+                self._ok()
+                if touch:
+                    self.touch([key])
+                self.metrics.hit(hit.length)
+            return hit
 
-    def _pin_verified(self, device: SharedSpans, key: bytes, fingerprint: bytes, touch: bool) -> SharedHit | None:
-        """`read_shared`'s body, run under the breaker's attempt."""
+    def read_shared_run(self, keys: Sequence[bytes], fingerprint: bytes) -> list[SharedHit]:
+        """The leading ``keys`` served in place as `read_shared` serves one (each pinned until
+        its `SharedHit.release`, its header checked; recency left to the caller), up to the
+        first this tier cannot serve so.
+
+        A GET names a whole prefix: the run takes one breaker attempt and one count of its
+        hits, so a value's own cost is its pin and its header's check. The breaker then
+        hears one success per run of in-place hits rather than per value.
+        """
+        device = self.device
+        hits: list[SharedHit] = []
+        if not keys or not isinstance(device, SharedSpans):
+            return hits
+        with self._attempt(TierOp.GET) as attempt:
+            if not attempt.allowed:
+                return hits
+            stored = self._stored_fingerprint(fingerprint)
+            try:
+                for key in keys:
+                    hit = self._pin_verified(device, key, stored)
+                    if hit is None:
+                        break
+                    hits.append(hit)
+            except BaseException:
+                for hit in hits:  # Nobody will release them: never leave a value pinned.
+                    hit.release()
+                raise
+            if hits:
+                self._ok()
+                self.metrics.hit(sum(hit.length for hit in hits), len(hits))
+        return hits
+
+    def _pin_verified(self, device: SharedSpans, key: bytes, fingerprint: bytes) -> SharedHit | None:
+        """``key``'s value pinned with its header checked, run under the breaker's attempt; a
+        miss, damage or a value `read` must serve is counted here, a hit by the caller."""
         span = device.pin(key)
         if span is None:
             self._remove_from_index([key])
@@ -363,10 +402,6 @@ class Tier:
         if header.fragment_count != 1 or header.codec is not Codec.NONE:
             device.unpin(span)
             return None  # Served by `read` instead; this was no judgement of the device.
-        self._ok()
-        if touch:
-            self.touch([key])
-        self.metrics.hit(header.raw_length)
         return SharedHit(device, span, span.offset + HEADER_BYTES, header.raw_length)
 
     def read_evicted(self, entry: Entry) -> tuple[bytes, memoryview] | None:

@@ -299,7 +299,17 @@ class Transfers:
 
         got_bytes = 0
         try:
-            for key in keys:
+            # A prefix in the first tier, in one pass: per value only its pin and header check.
+            run = self.store.get_shared_run(keys, fingerprint)
+            with self._batch_lock:
+                self.pinned += len(run)
+            batch.shared.extend(run)
+            for served in run:
+                spans.append((served.offset, served.length))
+                got_bytes += served.length
+            if run:
+                progress(len(spans))
+            for key in keys[len(run) :]:
                 hit = self.store.get_shared(key, fingerprint, touch=False)
                 if hit is not None:
                     with self._batch_lock:

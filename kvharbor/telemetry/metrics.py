@@ -338,8 +338,9 @@ class TierMetrics:
         self._ops[TierOp.PUT, Outcome.OK].inc()
         self._written_bytes.inc(nbytes)
 
-    def hit(self, nbytes: int) -> None:
-        self._ops[TierOp.GET, Outcome.OK].inc()
+    def hit(self, nbytes: int, count: int = 1) -> None:
+        """``count`` gets answered with ``nbytes`` of values in all."""
+        self._ops[TierOp.GET, Outcome.OK].inc(count)
         self._read_bytes.inc(nbytes)
 
     def corrupt(self) -> None:

@@ -167,3 +167,28 @@ def test_room_is_found_past_a_long_run_of_pinned_least_recent_values() -> None:
     pinned = frozenset(keys[:17])  # More than the first look at the least recent.
     assert write(tier, new_key(), os.urandom(VALUE_BYTES), pinned=pinned)
     assert tier.contains(keys) == [True] * 17 + [False, True, True]
+
+
+def test_a_run_of_in_place_hits_stops_at_the_first_value_it_cannot_serve() -> None:
+    segment = memoryview(bytearray(REGION_OFFSET + 8 * OBJECT_BYTES))
+    device = SharedRamDevice("ram", segment[REGION_OFFSET:], REGION_OFFSET, 8 * OBJECT_BYTES)
+    tier = Tier("ram", device, MemoryIndex(), 8 * OBJECT_BYTES, CircuitBreaker(BreakerSettings()))
+    store = TieredStore([tier])
+    keys = [new_key() for _ in range(4)]
+    values = [os.urandom(VALUE_BYTES) for _ in keys]
+    for key, value in zip(keys, values, strict=True):
+        assert write(tier, key, value)
+    third = tier.read_shared(keys[2], FINGERPRINT)
+    assert third is not None
+    third.release()
+    segment[third.offset - HEADER_BYTES + 8] ^= 0xFF  # Its header damaged in place.
+
+    hits = store.get_shared_run([*keys, new_key()], FINGERPRINT)
+    assert [bytes(segment[hit.offset : hit.offset + hit.length]) for hit in hits] == values[:2]
+    # Each value of the run counted a hit (and the single read above one); the damaged one
+    # is counted and dropped, and the run ends there, however many stored keys follow.
+    assert (tier.counters.hits, tier.counters.corrupt) == (3, 1)
+    assert tier.contains(keys) == [True, True, False, True]
+    for hit in hits:
+        hit.release()
+    assert store.get_shared_run([new_key(), keys[0]], FINGERPRINT) == []  # The first key must be held.
