@@ -41,6 +41,7 @@ bench: setup
 	.venv/bin/python bench/manifest.py
 	.venv/bin/python bench/ipc.py
 	.venv/bin/python bench/gateway_load.py
+	.venv/bin/python bench/serve.py --restart --plan --server-args "--num-gpu-blocks-override 64"
 	.venv/bin/python bench/e2e.py
 	.venv/bin/python bench/shared.py
 	$(SGLANG_VENV)/bin/python bench/hicache.py
