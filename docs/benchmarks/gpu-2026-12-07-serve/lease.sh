@@ -7,6 +7,12 @@
 # The GPU's own prefix cache is held to GPU_BLOCKS blocks of 16 tokens (a production engine's KV room is
 # what its model leaves; the whole slice would otherwise fit in the H100's), and every mode gets the same
 # CPU_GB of host RAM and DISK_GB of disk (vLLM's fs tier takes no bound: its bytes are reported).
+# vLLM 0.26's OpenAI server needs wheels beyond ../shared/tools/prepare-gpu-vllm.sh's (seen 2026-12-07:
+# uvicorn missing, then model_hosting_container_standards): fetched here into .whl/srv with
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl/srv \
+#     anthropic==2.17.0 blake3==1.0.11 distro==1.9.0 docstring_parser==0.18.0 ijson==3.6.0 jiter==0.19.0 jmespath==1.1.0 jsonschema==4.26.0 jsonschema_specifications==2025.9.1 lark==1.3.1 model_hosting_container_standards==0.1.16 prometheus_fastapi_instrumentator==8.1.0 python_json_logger==4.2.0 referencing==0.37.0 rpds_py==2026.9.1 setproctitle==1.3.8 supervisor==4.3.0 uvicorn==0.55.0 watchfiles==1.3.0
+# and installed before the runs: pip install --no-index --no-deps --target $HOME/site .whl/srv/*.whl
 set -uo pipefail
 step=$1
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1
@@ -32,6 +38,7 @@ p5)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $HOME/site $wheel || exit 1
   echo "vllm installed" ;;
 install)
+  [ -d .whl/srv ] && { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $HOME/site .whl/srv/*.whl || exit 1; }
   { date -u; nvidia-smi; nproc; free -g; df -h /dev/shm /tmp; } > $OUT/machine.txt 2>&1
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $HOME/site .whl/deps/*.whl || exit 1
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --target $HOME/kvh . || exit 1
