@@ -2,8 +2,12 @@
 # The GPU lease of issue 40 (kvharbor under load beside vLLM's own offloading), run from the repository
 # root on the device machine: bash <this file> STEP. Steps, back to back while the machine stays up:
 # p0 .. p4 (a vLLM part of 48 MiB each, carried as .whl/vllm.partNN), p5 (the last part, then vLLM 0.26
-# installed), then the runs, each carrying .whl/deps: `load` (every mode, one after another, on one
-# slice: closed loop of CLIENTS clients) and `restart` (the slice again, each engine restarted half-way).
+# installed), then the runs, each carrying .whl/deps and .whl/srv: `load` (MODES one after another on
+# one slice of REQUESTS requests, closed loop of CLIENTS clients) and `restart` (each engine restarted
+# half-way). vLLM's fs tier writes every block it is given and has no bound: at the 8B shape's 128 KiB
+# a token it fills this machine's 63 GiB of free disk within about 500 requests of 32-token blocks, so
+# it runs in `restart` with REQUESTS=500 (kvharbor beside it) and `load` leaves it out by default.
+# Engines run eager (--enforce-eager): every mode alike, and each start costs less of the lease.
 # The GPU's own prefix cache is held to GPU_BLOCKS blocks of 16 tokens (a production engine's KV room is
 # what its model leaves; the whole slice would otherwise fit in the H100's), and every mode gets the same
 # CPU_GB of host RAM and DISK_GB of disk (vLLM's fs tier takes no bound: its bytes are reported).
@@ -19,12 +23,13 @@ export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF
 export PYTHONPATH=$HOME/kvh:$HOME/site
 mkdir -p $HOME/w
 wheel=$HOME/w/vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl
-REQUESTS=${REQUESTS:-400} CLIENTS=${CLIENTS:-16} GPU_BLOCKS=${GPU_BLOCKS:-4096} CPU_GB=${CPU_GB:-32} DISK_GB=${DISK_GB:-24}
+REQUESTS=${REQUESTS:-2000} CLIENTS=${CLIENTS:-32} GPU_BLOCKS=${GPU_BLOCKS:-4096} CPU_GB=${CPU_GB:-32} DISK_GB=${DISK_GB:-24}
+BLOCK_TOKENS=${BLOCK_TOKENS:-32}
 serve() {  # serve TAG [more bench/serve.py arguments]
   local tag=$1; shift
-  python3 bench/serve.py --trace ${TRACE:-../shared/data/traces/mooncake_conversation_trace.jsonl} --model /tmp/kvh-llama31-8b --block-tokens 128 --max-model-len 16384 \
+  python3 bench/serve.py --trace ${TRACE:-../shared/data/traces/mooncake_conversation_trace.jsonl} --model /tmp/kvh-llama31-8b --block-tokens $BLOCK_TOKENS --max-model-len 16384 \
     --output-scale 0.1 --output-tokens-max 64 --requests $REQUESTS --clients $CLIENTS --cpu-gb $CPU_GB --disk-gb $DISK_GB \
-    --server-args "--load-format dummy --skip-tokenizer-init --dtype bfloat16 --gpu-memory-utilization 0.85 --num-gpu-blocks-override $GPU_BLOCKS --max-num-seqs 32" \
+    --server-args "--load-format dummy --skip-tokenizer-init --dtype bfloat16 --enforce-eager --gpu-memory-utilization 0.85 --num-gpu-blocks-override $GPU_BLOCKS --max-num-seqs 64" \
     --out /tmp/serve-$tag --plan --plan-args "--engines 1 --model llama-3.1-8b --gpu h100 --ram-gb $CPU_GB" "$@" 2>&1 | tee $OUT/$tag.log | grep -v '^MODE' | tail -40
   cp /tmp/serve-$tag/serve.json $OUT/$tag.json; cp /tmp/serve-$tag/ttft.png $OUT/$tag-ttft.png 2>/dev/null
   for f in /tmp/serve-$tag/server-*.log; do tail -60 $f; done > $OUT/$tag-servers.log
@@ -38,13 +43,14 @@ p5)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $HOME/site $wheel || exit 1
   echo "vllm installed" ;;
 install)
+  [ -f $HOME/installed ] && exit 0  # Once per machine: the later runs of the lease skip it.
   [ -d .whl/srv ] && { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $HOME/site .whl/srv/*.whl || exit 1; }
   { date -u; nvidia-smi; nproc; free -g; df -h /dev/shm /tmp; } > $OUT/machine.txt 2>&1
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $HOME/site .whl/deps/*.whl || exit 1
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --target $HOME/kvh . || exit 1
   KVH_BENCH_DEVICE=cuda python3 -c 'import sys; sys.path.insert(0, "bench"); from pathlib import Path; import gpu; gpu.write_model(Path("/tmp/kvh-llama31-8b"))' || exit 1
-  python3 -c 'import kvharbor, vllm, torch; print(kvharbor.__file__, vllm.__version__, torch.__version__)' ;;
-load) bash "$0" install || exit 1; serve load --modes ${MODES:-vllm-cpu,vllm-cpu-fs,none,kvharbor} ;;
-restart) bash "$0" install || exit 1; serve restart --restart --modes ${MODES:-vllm-cpu-fs,kvharbor} ;;
+  python3 -c 'import kvharbor, vllm, torch; print(kvharbor.__file__, vllm.__version__, torch.__version__)' && touch $HOME/installed ;;
+load) bash "$0" install || exit 1; serve ${TAG:-load} --modes ${MODES:-kvharbor,none,vllm-cpu} ;;
+restart) bash "$0" install || exit 1; serve ${TAG:-restart} --restart --modes ${MODES:-kvharbor,vllm-cpu-fs} ;;
 *) echo "unknown step $step"; exit 2 ;;
 esac
