@@ -6,11 +6,12 @@
 # one slice of REQUESTS requests, closed loop of CLIENTS clients) and `restart` (each engine restarted
 # half-way). vLLM's fs tier writes every block it is given and has no bound: at the 8B shape's 128 KiB
 # a token it fills this machine's 63 GiB of free disk within about 500 requests of 32-token blocks, so
-# it runs in `restart` with REQUESTS=500 (kvharbor beside it) and `load` leaves it out by default.
+# it runs in `restart`, whose slice is 500 requests unless REQUESTS says otherwise (kvharbor beside it),
+# and `load` (2,000) leaves it out by default.
 # Engines run eager (--enforce-eager): every mode alike, and each start costs less of the lease.
 # The GPU's own prefix cache is held to GPU_BLOCKS blocks of 16 tokens (a production engine's KV room is
 # what its model leaves; the whole slice would otherwise fit in the H100's), and every mode gets the same
-# CPU_GB of host RAM and DISK_GB of disk (vLLM's fs tier takes no bound: its bytes are reported).
+# CPU_GB of host RAM and DISK_GB of disk (vLLM's fs tier takes none, as above: its bytes are reported).
 # vLLM 0.26's OpenAI server needs wheels beyond ../shared/tools/prepare-gpu-vllm.sh's (seen 2026-12-07:
 # uvicorn missing, then model_hosting_container_standards): fetched here into .whl/srv with
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -23,7 +24,7 @@ export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF
 export PYTHONPATH=$HOME/kvh:$HOME/site
 mkdir -p $HOME/w
 wheel=$HOME/w/vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl
-REQUESTS=${REQUESTS:-2000} CLIENTS=${CLIENTS:-32} GPU_BLOCKS=${GPU_BLOCKS:-4096} CPU_GB=${CPU_GB:-32} DISK_GB=${DISK_GB:-24}
+CLIENTS=${CLIENTS:-32} GPU_BLOCKS=${GPU_BLOCKS:-4096} CPU_GB=${CPU_GB:-32} DISK_GB=${DISK_GB:-24}
 BLOCK_TOKENS=${BLOCK_TOKENS:-32}
 serve() {  # serve TAG [more bench/serve.py arguments]
   local tag=$1; shift
@@ -50,7 +51,7 @@ install)
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --target $HOME/kvh . || exit 1
   KVH_BENCH_DEVICE=cuda python3 -c 'import sys; sys.path.insert(0, "bench"); from pathlib import Path; import gpu; gpu.write_model(Path("/tmp/kvh-llama31-8b"))' || exit 1
   python3 -c 'import kvharbor, vllm, torch; print(kvharbor.__file__, vllm.__version__, torch.__version__)' && touch $HOME/installed ;;
-load) bash "$0" install || exit 1; serve ${TAG:-load} --modes ${MODES:-kvharbor,none,vllm-cpu} ;;
-restart) bash "$0" install || exit 1; serve ${TAG:-restart} --restart --modes ${MODES:-kvharbor,vllm-cpu-fs} ;;
+load) REQUESTS=${REQUESTS:-2000}; bash "$0" install || exit 1; serve ${TAG:-load} --modes ${MODES:-kvharbor,none,vllm-cpu} ;;
+restart) REQUESTS=${REQUESTS:-500}; bash "$0" install || exit 1; serve ${TAG:-restart} --restart --modes ${MODES:-kvharbor,vllm-cpu-fs} ;;
 *) echo "unknown step $step"; exit 2 ;;
 esac
