@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import pytest
 from vllm.config import KVTransferConfig
 from vllm.engine.arg_utils import EngineArgs
 
-from kvharbor.connector.vllm import plugin
+from kvharbor.connector.vllm import cpu_binding, plugin
 from kvharbor.connector.vllm.settings import config_from_extra
 from kvharbor.telemetry.log import OnceLog
 
@@ -76,8 +77,31 @@ def test_the_wrapped_engine_args_build_the_chosen_config(
     monkeypatch.setenv("KVHARBOR", "1")
     plugin.register()  # What vLLM's plugin loader runs; wraps EngineArgs.create_engine_config once.
     monkeypatch.setenv("KVHARBOR", env)
+    for name in (cpu_binding.RESERVED_ENV, cpu_binding.BIND_ENV):
+        monkeypatch.delenv(name, raising=False)  # Restored after the test.
     args = EngineArgs(model=str(tiny_model), enforce_eager=True, dtype="float32", max_model_len=4096)
     args.kv_transfer_config = given
     config = args.create_engine_config()
     chosen = config.kv_transfer_config
     assert (chosen.kv_connector if chosen is not None else None) == expected
+    # On the CPU backend, kvharbor's engine reserves the cores vLLM reserves without a
+    # connector (one, for one rank); other connectors' engines are left as vLLM sets them.
+    reserved = os.environ.get(cpu_binding.RESERVED_ENV)
+    assert reserved == ("1" if expected == "KVHarborConnector" else None)
+
+
+def test_the_users_cpu_binding_wins(tiny_model: Path) -> None:
+    config = EngineArgs(
+        model=str(tiny_model), enforce_eager=True, dtype="float32", max_model_len=4096
+    ).create_engine_config()
+    environ: dict[str, str] = {}
+    assert cpu_binding.keep_engine_cores(config, environ) == 1
+    assert environ == {cpu_binding.RESERVED_ENV: "1"}
+    for set_by_user in (
+        {cpu_binding.RESERVED_ENV: "0"},
+        {cpu_binding.BIND_ENV: "0-1"},
+        {cpu_binding.BIND_ENV: "nobind"},
+    ):
+        environ = dict(set_by_user)
+        assert cpu_binding.keep_engine_cores(config, environ) is None
+        assert environ == set_by_user

@@ -24,6 +24,7 @@ from typing import Any
 
 from kvharbor.connector.env import ENV_ENABLE, enabled
 from kvharbor.connector.vllm.compat import SUPPORTED, version_supported, vllm_version
+from kvharbor.connector.vllm.cpu_binding import RESERVED_ENV, keep_engine_cores
 from kvharbor.telemetry.log import OnceLog, attach_to_engine_log, get_logger
 
 __all__ = [
@@ -103,7 +104,18 @@ def register() -> None:
 
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
         self.kv_transfer_config = choose_transfer_config(self.kv_transfer_config)
-        return original(self, *args, **kwargs)
+        config = original(self, *args, **kwargs)
+        if getattr(config.kv_transfer_config, "kv_connector", None) == CONNECTOR_NAME:
+            reserved = keep_engine_cores(config)
+            if reserved is not None:
+                _once.say(
+                    "cores",
+                    f"vLLM's CPU backend: {RESERVED_ENV}={reserved}, the cores it reserves without a KV "
+                    "connector (its extra one for a connector's threads would leave a small host none; "
+                    "kvharbor's storage work runs in the gateway). Set it to override",
+                    level=logging.INFO,
+                )
+        return config
 
     setattr(create_engine_config, _MARK, True)
     EngineArgs.create_engine_config = create_engine_config  # type: ignore[method-assign]
