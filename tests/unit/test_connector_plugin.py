@@ -78,7 +78,8 @@ def test_the_wrapped_engine_args_build_the_chosen_config(
     plugin.register()  # What vLLM's plugin loader runs; wraps EngineArgs.create_engine_config once.
     monkeypatch.setenv("KVHARBOR", env)
     for name in (cpu_binding.RESERVED_ENV, cpu_binding.BIND_ENV):
-        monkeypatch.delenv(name, raising=False)  # Restored after the test.
+        monkeypatch.setenv(name, "")  # Recorded, so the plugin's setting is undone after the test,
+        monkeypatch.delenv(name)  # then unset, as on a host where nobody set them.
     args = EngineArgs(model=str(tiny_model), enforce_eager=True, dtype="float32", max_model_len=4096)
     args.kv_transfer_config = given
     config = args.create_engine_config()
