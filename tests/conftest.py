@@ -15,6 +15,7 @@ import pytest
 from kvharbor.demo.model import build_tiny_model
 from kvharbor.gateway import embedded
 from tests.support.real_gateway import RealGateway
+from tests.support.wheel import kvharbor_wheel
 
 # tests/sglang need SGLang, which pins another torch than vLLM: they run in the SGLang venv
 # (scripts/setup-sglang.sh; `make test` runs them there after the rest).
@@ -27,6 +28,12 @@ collect_ignore = [] if _sglang is not None and _sglang.origin is not None else [
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny random-weight Llama (4 layers, 2 KV heads, head_dim 64), built once per session."""
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """kvharbor's wheel (`tests.support.wheel`), built at most once per session."""
+    return kvharbor_wheel(tmp_path_factory.mktemp("dist"))
 
 
 @pytest.fixture

@@ -11,24 +11,7 @@ import sysconfig
 import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-WHEEL_ENV = "KVHARBOR_WHEEL"
-"""Set by .ci/run to the wheel it built into dist/; without it the test builds its own."""
-
-
-def wheel(tmp_path: Path) -> Path:
-    given = os.environ.get(WHEEL_ENV)
-    if given:
-        return Path(given)
-    out = tmp_path / "dist"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", str(ROOT), "-w", str(out)],
-        check=True,
-        timeout=300,
-        cwd=tmp_path,
-    )
-    (built,) = out.glob("kvharbor-*.whl")
-    return built
+from tests.support.wheel import ROOT
 
 
 def package_files() -> set[str]:
@@ -39,9 +22,8 @@ def package_files() -> set[str]:
     return {path for path in listed if not path.endswith(".py")}
 
 
-def test_the_wheel_installs_into_a_fresh_venv_and_its_command_runs(tmp_path: Path) -> None:
-    built = wheel(tmp_path)
-    with zipfile.ZipFile(built) as archive:
+def test_the_wheel_installs_into_a_fresh_venv_and_its_command_runs(tmp_path: Path, wheel: Path) -> None:
+    with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
         entry_points = next(archive.read(n).decode() for n in names if n.endswith(".dist-info/entry_points.txt"))
     assert package_files() <= names, sorted(package_files() - names)
@@ -54,7 +36,7 @@ def test_the_wheel_installs_into_a_fresh_venv_and_its_command_runs(tmp_path: Pat
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
     subprocess.run(
-        [str(python), "-m", "pip", "install", "--no-deps", "-q", str(built)], check=True, timeout=300, env=environ
+        [str(python), "-m", "pip", "install", "--no-deps", "-q", str(wheel)], check=True, timeout=300, env=environ
     )
     # --no-deps: then the dependencies come from this environment's site-packages, put behind
     # the venv's own (a path in a .pth file; the editable install of the checkout there is not run).
