@@ -6,14 +6,16 @@ embedded gateway's, which is removed with the lab): CI keeps only the test's out
 
 from __future__ import annotations
 
+import os
 from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pluggy
 import pytest
-from e2e_harness import Lab
+from e2e_harness import ENGINE_MODULES, Lab
 
 from kvharbor.demo.server import VllmServer
+from tests.support.zygote import Zygote
 
 _FAILED = pytest.StashKey[bool]()
 
@@ -27,9 +29,20 @@ def pytest_runtest_makereport(
         item.stash[_FAILED] = True
 
 
+@pytest.fixture(scope="session")
+def engine_forks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Zygote]:
+    """The fork server every lab's engine processes come from (torch and vLLM imported once)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVHARBOR", "VLLM_"))}
+    zygote = Zygote.start(ENGINE_MODULES, env, tmp_path_factory.mktemp("forks") / "zygote.log")
+    try:
+        yield zygote
+    finally:
+        zygote.close()
+
+
 @pytest.fixture
-def lab(request: pytest.FixtureRequest, tmp_path: Path, tiny_model: Path) -> Iterator[Lab]:
-    lab = Lab(tmp_path, tiny_model)
+def lab(request: pytest.FixtureRequest, tmp_path: Path, tiny_model: Path, engine_forks: Zygote) -> Iterator[Lab]:
+    lab = Lab(tmp_path, tiny_model, engine_forks)
     try:
         yield lab
     finally:

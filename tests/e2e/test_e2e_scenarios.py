@@ -1,7 +1,7 @@
 """The shipped scenarios that need the real engine: vLLM's OpenAI server (CPU build) on the tiny model.
 
-Run under the e2e lock like every test that starts vLLM; each scenario starts
-as few servers as its timeline asks (a restart is a new server process).
+Each scenario starts as few servers as its timeline asks (a restart is a new server
+process).
 """
 
 from __future__ import annotations
