@@ -144,13 +144,17 @@ class EngineSection(_Section):
     save_queue_steps_max: int = Field(64, gt=0, description="steps whose saves may wait for the storage at once")
     """Past it a step's saves are dropped (future misses, counted in ``save_dropped``), never the step."""
     saves_land_before_answer: bool = True
-    """The step that computes a prompt's last chunk returns only once that step's chunks are
-    in shared memory and marked complete, so a request that was answered was saved, even
-    if the engine is killed right after (vLLM's default shutdown): it waits for the copy
-    out of staging and for the storage write under way then (not for those of the saves
-    queued before it: its own land ahead of them), at most ``save_wait_ms``. A CPU step
-    whose saver is idle copies its chunks straight into shared memory within the step in
-    any case. False: steps never wait, and a kill within that copy loses the step's chunks."""
+    """The step that gives a request its answer's last token by its length limit
+    (``max_tokens``) returns only once that request's chunks are in shared memory and
+    marked complete, so a request that was answered was saved, even if the engine is
+    killed right after (vLLM's default shutdown): it waits for the copy out of staging and
+    for the storage write under way then (not for those of the saves queued before it: its
+    own land ahead of them), at most ``save_wait_ms``. A one-token answer waits in the step
+    that ends its prompt; a longer answer's saves land while it decodes, so under load no
+    step holds the batch's decoding up for them. An answer that ends at a stop token or
+    string is not waited for (a kill within its last save loses that save). A CPU step whose
+    saver is idle copies its chunks straight into shared memory within the step in any
+    case. False: steps never wait, and a kill within that copy loses the step's chunks."""
     save_wait_ms: int = Field(1000, ge=0, description="longest wait of a step that ends a prompt for its saves to land")
     """Bounds ``saves_land_before_answer``: past it the step returns and its saves land behind
     it (said once; a kill before then loses them). It covers one storage write that keeps

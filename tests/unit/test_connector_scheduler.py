@@ -70,8 +70,11 @@ def test_a_miss_saves_each_chunk_once_across_chunked_prefill(tiny_model: Path, r
     [second] = steps[1].meta.saves
     assert [bytes(k) for k in first.keys[0]] == keys[:2] and first.block_ids == [blocks[:4]]
     assert [bytes(k) for k in second.keys[0]] == keys[2:] and second.block_ids == [blocks[4:6]]
-    # Only the second holds the prompt's last chunk: its step's saves land before the answer.
-    assert (first.ends_prompt, second.ends_prompt) == (False, True)
+    # The step that gives the answer's last (6th) token is the one that answers it (whose
+    # saves, had they not landed, it would wait for); vLLM computes every token but that one.
+    answering = [i for i, s in enumerate(steps) if s.meta.answered]
+    assert answering == [6] and steps[6].meta.answered == ["r"]
+    assert steps[6].output.scheduled_cached_reqs.num_computed_tokens == [len(tokens) + 6 - 2]
     assert all(not s.meta.saves and not s.meta.loads for s in steps[2:])
     assert rig.gateway.lookups == 1
     assert rig.total(steps, "lookup_chunks") == 3 and rig.total(steps, "hit_chunks") == 0

@@ -452,10 +452,11 @@ def test_a_worker_that_stays_off_restores_nothing_and_stores_nothing(real_gatewa
 # -- saves that fall behind the storage ------------------------------------------------------
 
 
-def save_step(side: WorkerSide, keys: list[bytes], blocks: list[int], ends_prompt: bool = False) -> None:
-    """One engine step that completes ``keys`` (request r's chunks in ``blocks``)."""
-    save = ChunkTransfer(request_id="r", keys=[keys], block_ids=[blocks], ends_prompt=ends_prompt)
-    side.save(KVHarborMetadata(saves=[save]))
+def save_step(side: WorkerSide, keys: list[bytes], blocks: list[int], answers: bool = False) -> None:
+    """One engine step that completes ``keys`` (request r's chunks in ``blocks``); with
+    ``answers`` it also gives r its answer's last token."""
+    save = ChunkTransfer(request_id="r", keys=[keys], block_ids=[blocks])
+    side.save(KVHarborMetadata(saves=[save], answered=["r"] if answers else []))
 
 
 def exported(*reports: dict[str, float]) -> CollectorRegistry:
@@ -479,8 +480,8 @@ def test_a_first_tier_that_cannot_keep_up_costs_saves_never_the_engines_steps(
     The first step lands its chunk itself (the saver is idle) and its commit stalls; no later
     step waits for it: each copies its chunks out of the blocks into staging of its own and is
     queued, the chunks without staging room (engine.save_staging_mb_max: 2 here) or without a
-    place in the queue (engine.save_queue_steps_max: 2) are dropped, and a step that ends a
-    prompt stops waiting for its saves after engine.save_wait_ms (0). Every chunk not saved is
+    place in the queue (engine.save_queue_steps_max: 2) are dropped, and a step that answers
+    the request stops waiting for its saves after engine.save_wait_ms (0). Every chunk not saved is
     counted, reaches the Prometheus series, and each cause is said once. Had a step waited for
     the stalled write, it would have returned only once the stall gave up (`Stall.outlasted`)."""
     gateway, kv = real_gateway, caches(seed=13)
@@ -491,7 +492,7 @@ def test_a_first_tier_that_cannot_keep_up_costs_saves_never_the_engines_steps(
         with gateway.stalled_writes() as stall, caplog.at_level(logging.WARNING, "kvharbor"):
             save_step(side, keys[0:1], [1, 2])  # Landed by the step; its commit waits at the stall.
             assert stall.reached.wait(WAIT_S)
-            save_step(side, keys[1:2], [3, 4], ends_prompt=True)  # Snapshotted, queued; not waited for.
+            save_step(side, keys[1:2], [3, 4], answers=True)  # Snapshotted, queued; not waited for.
             save_step(side, keys[2:4], [5, 6, 7, 8])  # One chunk has staging room, one is dropped.
             save_step(side, keys[4:5], [9, 10])  # The queue is full: dropped.
             save_step(side, keys[5:6], [11, 12])  # Again, not said again.
@@ -519,6 +520,42 @@ def test_a_first_tier_that_cannot_keep_up_costs_saves_never_the_engines_steps(
     finally:
         reader.close()
     assert same_pages(restored, [1, 2, 3, 4, 5, 6], original, [1, 2, 3, 4, 5, 6])  # What the steps had.
+
+
+def test_a_step_that_answers_a_request_waits_for_its_saves_and_only_for_its_own(real_gateway: RealGateway) -> None:
+    """The saver is held in a stalled commit, so a later step's save of request a is queued
+    and not landed. A step that answers another request (b) does not wait for a's save; the
+    step that answers a (gives its last token) returns only once a's chunk is landed: here,
+    once the stall is over (engine.save_wait_ms bounds it, a minute here)."""
+    gateway, kv = real_gateway, caches(seed=17)
+    keys = [bytes([60 + i]) * 16 for i in range(2)]
+    side = worker(gateway, kv, save_wait_ms=60_000)
+    answered = threading.Event()
+    released_first: list[bool] = []
+    try:
+        with gateway.stalled_writes() as stall:
+            save_step(side, keys[0:1], [1, 2])  # Landed by the step (the saver is idle); its commit stalls.
+            assert stall.reached.wait(WAIT_S)
+            a_save = ChunkTransfer(request_id="a", keys=[keys[1:2]], block_ids=[[3, 4]])
+            side.save(KVHarborMetadata(saves=[a_save]))  # Snapshotted and queued behind the stalled commit.
+            side.save(KVHarborMetadata(answered=["b"]))  # Not a's answer: no wait.
+            assert not stall.outlasted
+
+            def answer_a() -> None:
+                side.save(KVHarborMetadata(answered=["a"]))
+                released_first.append(stall.release.is_set())
+                answered.set()
+
+            thread = threading.Thread(target=answer_a)
+            thread.start()
+            assert not answered.wait(0.5), "the step answering a returned before a's save landed"
+            stall.release.set()
+            assert answered.wait(WAIT_S)
+            thread.join(WAIT_S)
+    finally:
+        side.close()
+    assert released_first == [True]
+    assert [gateway.holds([key]) for key in keys] == [1, 1]
 
 
 def test_chunks_the_gateway_has_no_room_for_are_dropped_and_counted(

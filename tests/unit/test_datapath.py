@@ -761,31 +761,30 @@ def stored(saver: DataPath, keys: list[bytes], blocks: list[int]) -> int:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_save_tells_whether_it_ends_a_prompt_and_reads_the_blocks(gateway_config: Any, backend: str) -> None:
-    """What the worker decides a step's wait by: a step whose answer may go out first (it
-    computes a prompt's last chunk) waits for its saves to land
-    (``engine.saves_land_before_answer``), and one whose fill reads the blocks (the host's)
-    lands them within the step or snapshots them first."""
+def test_a_save_names_its_requests_and_tells_whether_it_reads_the_blocks(gateway_config: Any, backend: str) -> None:
+    """What the worker decides a step's wait by: a step that answers a request waits for that
+    request's saves to land (``engine.saves_land_before_answer``), and a save whose fill
+    reads the blocks (the host's) lands them within the step or snapshots them first."""
     path, _ = data_path(gateway_config, make_copy(backend, layers()))
     try:
         assert path.map()
-        keys = [bytes([8, i]) * 8 for i in range(2)]
-        middle = ChunkTransfer("r", [keys[:1]], block_ids=[[1, 2, 3, 4]])
-        last = ChunkTransfer("r", [keys[1:]], block_ids=[[5, 6, 7, 8]], ends_prompt=True)
-        ends = []
-        for save in (middle, last):
-            meta = KVHarborMetadata(saves=[save])
+        keys = [bytes([8, i]) * 8 for i in range(3)]
+        one = ChunkTransfer("a", [keys[:1]], block_ids=[[1, 2, 3, 4]])
+        two = ChunkTransfer("b", [keys[1:]], block_ids=[[5, 6, 7, 8, 9, 10, 11, 12]])
+        named = []
+        for saves in ([one], [one, two]):
+            meta = KVHarborMetadata(saves=saves)
             path.begin_step(meta)
             for name in NAMES:
                 path.save_layer(name)
             parts = path.end_step(meta)
             assert parts is not None
             assert parts.reads_blocks == (backend == "host")
-            ends.append(parts.ends_prompt)
+            named.append(parts.requests)
             parts.done()
     finally:
         path.close()
-    assert ends == [False, True]
+    assert named == [{"a"}, {"a", "b"}]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -802,8 +801,8 @@ def test_the_data_path_saves_and_restores_through_the_gateway(gateway_config: An
             saver.save_layer(name)
         parts = saver.end_step(meta)
         assert parts is not None and parts.keys == keys
-        # Host pages are read from the blocks; device ones from staging, and this step ends no prompt.
-        assert parts.reads_blocks == (backend == "host") and not parts.ends_prompt
+        # Host pages are read from the blocks; device ones from staging.
+        assert parts.reads_blocks == (backend == "host") and parts.requests == {"r"}
         items = [(k, saver.copy.chunk_bytes) for k in keys]
         stored = saver._save_link.store(saver.fingerprint, items, parts.fill, parts.settle)
         parts.done()

@@ -144,9 +144,9 @@ class SaveParts:
     must be filled before the step returns, unless `snapshot` takes them out first."""
     snapshot: Callable[[], int]
     """`StepSave.snapshot` of the values, in ``keys``' order: how many leading ones it kept."""
-    ends_prompt: bool
-    """Some value is a prompt's last chunk: the step's answer may go out first
-    (``engine.saves_land_before_answer``)."""
+    requests: frozenset[str]
+    """The requests whose chunks (or states) these are: a step that answers one waits for
+    them (``engine.saves_land_before_answer``)."""
     fingerprint: bytes
     """The layout the values are stored under (chunk objects', or a hybrid model's states')."""
     value_bytes: int
@@ -394,7 +394,7 @@ class DataPath:
             done=save.release,
             reads_blocks=not self.copy.snapshots_saves,
             snapshot=lambda: save.snapshot(kept),
-            ends_prompt=any(s.ends_prompt for s in meta.saves),
+            requests=frozenset(requests[i] for i in kept),
             fingerprint=self.fingerprint,
             value_bytes=self.copy.chunk_bytes,
         )

@@ -31,9 +31,6 @@ class ChunkTransfer:
     recompute_s: tuple[float, ...] = ()
     """Loads: the scheduler's estimate of each chunk's recompute time (empty: unknown);
     the worker stops a load whose rest would arrive slower than it recomputes."""
-    ends_prompt: bool = False
-    """Saves: this transfer holds the request's last storable chunk, so the step that
-    computes it may be the one whose answer goes out first (`EngineSection.saves_land_before_answer`)."""
     asynchronous: bool = False
     """Loads: vLLM holds the request back until the load is reported (its asynchronous loads,
     ``WAITING_FOR_REMOTE_KVS``), and a load that fell short is reported by request
@@ -65,6 +62,11 @@ class ChunkTransfer:
 class KVHarborMetadata(KVConnectorMetadata):
     loads: list[ChunkTransfer] = field(default_factory=list)
     saves: list[ChunkTransfer] = field(default_factory=list)
+    answered: list[str] = field(default_factory=list)
+    """Requests whose answer is complete after this step by their length limit (its last
+    token, ``max_tokens``, comes out of it): their saves not yet in shared memory land before
+    the step returns (`EngineSection.saves_land_before_answer`). An answer that ends early,
+    at a stop token or string, is not known here."""
     step_flops: float = 0.0
     """Prefill FLOPs of this step when it loads nothing (0: not a prefill sample);
     workers time the forward pass and report FLOPs per second back."""

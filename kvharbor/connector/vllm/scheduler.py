@@ -48,6 +48,8 @@ class _Request:
     keys: list[list[ChunkKey]]
     """Per rank, the keys of the prompt's full chunks."""
     prompt_tokens: int
+    max_tokens: int | None = None
+    """The answer's length limit (vLLM's ``Request.max_tokens``; None: not known)."""
     state_keys: list[list[ChunkKey]] = field(default_factory=list)
     """Per rank, the keys of the state at each full chunk's end (hybrid models; else empty)."""
     block_ids: list[list[int]] = field(default_factory=list)
@@ -409,7 +411,7 @@ class SchedulerSide:
             state = self._requests.get(new.req_id)
             if state is not None:
                 state.block_ids = [list(ids) for ids in new.block_ids]
-                self._plan_save(meta, new.req_id, state, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+                self._plan_step(meta, new.req_id, state, new.num_computed_tokens + scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         resumed = _resumed(cached)
         for i, req_id in enumerate(cached.req_ids):
@@ -424,7 +426,7 @@ class SchedulerSide:
                     state.block_ids = [[] for _ in new_blocks]
                 for ids, added in zip(state.block_ids, new_blocks, strict=True):
                     ids.extend(added)
-            self._plan_save(meta, req_id, state, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+            self._plan_step(meta, req_id, state, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
         if not meta.loads:
             meta.step_flops = self._prefill_flops(scheduler_output)
         if not scheduled:
@@ -591,7 +593,9 @@ class SchedulerSide:
                 logging.INFO,  # Misses by the configuration's choice: news, not trouble.
             )
         elif prompt is not None:
-            return self._new_request(request.request_id, prompt, salt)
+            state = self._new_request(request.request_id, prompt, salt)
+            state.max_tokens = getattr(request, "max_tokens", None)
+            return state
         # Not cacheable (a bad or missing salt, or prompt embeddings without token ids).
         self._skipped.add(request.request_id)
         return None
@@ -606,6 +610,14 @@ class SchedulerSide:
         )
         self._requests[request_id] = state
         return state
+
+    def _plan_step(self, meta: KVHarborMetadata, req_id: str, state: _Request, computed_after: int) -> None:
+        """A scheduled request's part of the step's metadata: its saves, and whether the step
+        gives its answer's last token (``max_tokens`` of them; vLLM computes every token but
+        the answer's last: after the step ``computed_after - prompt_tokens + 1`` are out)."""
+        self._plan_save(meta, req_id, state, computed_after)
+        if state.max_tokens is not None and computed_after >= state.prompt_tokens + state.max_tokens - 1:
+            meta.answered.append(req_id)
 
     def _plan_save(self, meta: KVHarborMetadata, req_id: str, state: _Request, computed_after: int) -> None:
         """Save the prompt chunks complete after this step that are not saved yet, and a
@@ -639,7 +651,6 @@ class SchedulerSide:
                 request_id=req_id,
                 keys=[keys[first:done] for keys in state.keys],
                 block_ids=span(kv_blocks, first * per_chunk, done * per_chunk),
-                ends_prompt=done == len(state.keys[0]),
                 state=state_save,
             )
         )

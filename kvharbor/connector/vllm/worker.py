@@ -62,14 +62,20 @@ What a step waits for, from saves, and its bound:
 - GPU: a step only gathers into device staging (waiting for room at most
   ``engine.save_staging_wait_ms``, 0 by default); the saver starts the
   device-to-host copy and marks the values once it has waited for it.
-- A step that computes a prompt's last chunk (the one whose answer may go out
-  first) and has not landed its chunks itself waits for the saver to land
-  them (``engine.saves_land_before_answer``, on by default), at most
-  ``engine.save_wait_ms``: the saver lands them ahead of the commits of the
-  saves queued before them, so the step waits for the copy out and the one
-  storage write under way, not for a queue of them. Past the bound the step
-  returns; its chunks land behind it (said once), and a kill before then
-  loses them.
+- A step that gives a request its answer's last token by its length limit
+  (``max_tokens``: the scheduler names it, `KVHarborMetadata.answered`) waits
+  for that request's saves not yet in shared memory (``engine.saves_land_before_answer``,
+  on by default), at most ``engine.save_wait_ms``: the saver lands them ahead
+  of the commits of the saves queued before them, so the step waits for the
+  copy out and the one storage write under way, not for a queue of them. Past
+  the bound the step returns; the chunks land behind it (said once), and a
+  kill before then loses them. A one-token answer waits in the step that ends
+  its prompt; a longer one's saves land while it decodes, and its last step
+  rarely waits: under load no step holds up the others' decoding for a save
+  (on an H100 at 32 clients, waiting in every step that ended a prompt cost
+  each decode step 10-13 ms, 2026-12-08). An answer that ends early, at a stop
+  token or string, is not waited for: a kill right after it may lose the saves
+  of its last step or two.
 - Nothing else: a full save queue (``engine.save_queue_steps_max``), full
   staging and a gateway without room drop the chunks concerned, counted in
   ``save_dropped`` and said once per cause (`datapath.Dropped`).
@@ -123,8 +129,9 @@ class _SaveJob:
     parts: SaveParts
     stored_stat: str
     """The stat its stored values count in: ``stored_chunks``, or ``stored_states``."""
-    awaited: bool
-    """Its step waits for it to land (it ends a prompt: ``engine.saves_land_before_answer``)."""
+    awaited: bool = False
+    """A step waits for it to land (it answers one of its requests: ``engine.saves_land_before_answer``);
+    set under the worker's stats lock while it is not landed."""
     landed: threading.Event = field(default_factory=threading.Event)
     """Set once its values are in shared memory and marked complete (or landing failed)."""
     landing: Landing | None = None
@@ -238,7 +245,10 @@ class WorkerSide:
         self._saves_pending = 0
         """Save jobs queued, landed or committing; under ``_stats_lock``, counted out with their stats."""
         self._awaited = 0
-        """Queued save jobs not landed yet whose step waits for them; under ``_stats_lock``."""
+        """Queued save jobs not landed yet that a step waits for; under ``_stats_lock``."""
+        self._unlanded: list[_SaveJob] = []
+        """Save jobs queued and not landed when last seen, for a later step that answers one
+        of their requests; engine thread only (at most the queue's bound of them)."""
         self._save_wait_s = config.engine.save_wait_ms / 1000
         self._land_before_answer = config.engine.saves_land_before_answer
         self._saver = threading.Thread(target=self._save_loop, name="kvharbor-saver", daemon=True)
@@ -644,20 +654,20 @@ class WorkerSide:
         self._queue_save(path.end_step(meta, dropped), "stored_chunks")
         if self._state_path is not None:
             self._queue_save(self._state_path.end_step(meta, dropped), "stored_states")
+        self._await_answered(meta.answered)
 
     def _queue_save(self, parts: SaveParts | None, stored_stat: str) -> None:
         """Hand one data path's save of this step to the saver. The step never waits for a
         storage write: a save that reads the blocks (a CPU's) is landed here only when the
         saver is idle (nothing queued or committing: the link is free), else snapshotted out
-        of the blocks first, as a GPU's is gathered; a step that ends a prompt waits for its
-        saves to land, at most ``engine.save_wait_ms``. What finds no room is dropped."""
+        of the blocks first, as a GPU's is gathered. What finds no room is dropped."""
         if parts is None:
             return
         if self._saves.full():
             parts.done()
             count_dropped(self._count, self._once, Dropped.QUEUE, len(parts.keys))
             return
-        job = _SaveJob(parts, stored_stat, awaited=self._land_before_answer and parts.ends_prompt)
+        job = _SaveJob(parts, stored_stat)
         with self._stats_lock:
             idle = self._saves_pending == 0
         if parts.reads_blocks and idle:
@@ -674,15 +684,33 @@ class WorkerSide:
             job.parts = replace(parts, keys=parts.keys[:kept])
         with self._stats_lock:
             self._saves_pending += 1
-            self._awaited += int(job.awaited and not job.landed.is_set())
         self._saves.put_nowait(job)
-        if job.awaited and not job.landed.wait(self._save_wait_s):
-            self._once.say(
-                "answer-unlanded",
-                "a step that ends a prompt returned before its saves were in shared memory: the saver was still "
-                "busy with earlier saves' storage writes after engine.save_wait_ms. They land behind the step; "
-                "an engine killed before then loses them (said once)",
-            )
+        if not job.landed.is_set():
+            self._unlanded.append(job)
+
+    def _await_answered(self, answered: Sequence[str]) -> None:
+        """This step answers ``answered`` (their last token by their length limit): wait until
+        their saves are in shared memory, all of them within ``engine.save_wait_ms``."""
+        self._unlanded = [job for job in self._unlanded if not job.landed.is_set()]
+        if not answered or not self._land_before_answer:
+            return
+        asked = set(answered)
+        waited = [job for job in self._unlanded if not asked.isdisjoint(job.parts.requests)]
+        with self._stats_lock:  # Against the saver's count of it once landed (`_save_loop`).
+            for job in waited:
+                if not job.landed.is_set() and not job.awaited:
+                    job.awaited = True
+                    self._awaited += 1
+        deadline = time.monotonic() + self._save_wait_s
+        for job in waited:
+            if not job.landed.wait(max(0.0, deadline - time.monotonic())):
+                self._once.say(
+                    "answer-unlanded",
+                    "a step that completes an answer returned before that request's saves were in shared memory: "
+                    "the saver was still busy with earlier saves' storage writes after engine.save_wait_ms. They "
+                    "land behind the step; an engine killed before then loses them (said once)",
+                )
+                return
 
     def _save_loop(self) -> None:
         """Land each queued save, then commit it. A save whose step waits for it (it ends a
@@ -700,7 +728,7 @@ class WorkerSide:
                 break
             if not job.landed.is_set():
                 self._land(job)
-                with self._stats_lock:
+                with self._stats_lock:  # A step marks a job awaited only while it is not landed.
                     self._awaited -= int(job.awaited)
             landed.append(job)
         while landed:
