@@ -34,6 +34,7 @@ lint:
 	.venv/bin/ruff format --check kvharbor tests bench
 	.venv/bin/mypy kvharbor bench
 	.venv/bin/mypy --explicit-package-bases tests
+	.venv/bin/lint-imports
 
 bench: setup
 	.venv/bin/python bench/keys.py

@@ -714,9 +714,11 @@ def _incomplete(tier: Mapping[str, Any], err: ValidationError) -> IncompleteTier
         return None  # A bad name or capacity besides: refused with the original problems.
 
 
-CARD_REGION_SLACK_BYTES = 12 * 1024
-"""What a block-mode region needs beside one fragment and its cache header: the region
-header, the store's object header and the padding of both to whole 4 KiB blocks."""
+CARD_REGION_SLACK_BYTES = 16 * 1024
+"""What a block-mode region needs beside one fragment: the stored object's header
+(`kvharbor.cache.format.HEADER_BYTES`, 4 KiB: not imported, the config sits below the cache;
+`tests/unit/test_card_wiring.py` holds them together), the region header, the store's object
+header and the padding of both to whole 4 KiB blocks."""
 
 
 class CardSection(_Section):
@@ -748,9 +750,7 @@ class CardSection(_Section):
 
     @model_validator(mode="after")
     def _region_holds_a_fragment(self) -> CardSection:
-        from kvharbor.cache.format import HEADER_BYTES
-
-        needed = self.fragment_bytes + HEADER_BYTES + CARD_REGION_SLACK_BYTES
+        needed = self.fragment_bytes + CARD_REGION_SLACK_BYTES
         if self.region_mb * MIB < needed:
             raise ValueError(
                 f"card.region_mb {self.region_mb} cannot hold one fragment of card.fragment_bytes "

@@ -13,13 +13,11 @@ form the logs and ``status`` use.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 
 from kvharbor.cache.keys import LayoutFingerprint, chunk_keys, key_hex
 from kvharbor.cli import Subparsers, add_config_argument, config_from_args
-
-_DECIMAL = re.compile(r"[+-]?[0-9]+")
+from kvharbor.ops.token_ids import parse_token_ids
 
 
 def add_parser(subparsers: Subparsers) -> None:
@@ -67,23 +65,6 @@ def add_parser(subparsers: Subparsers) -> None:
         help="also print the layout fingerprint (short form and digest) on stderr",
     )
     parser.set_defaults(run=run)
-
-
-def parse_token_ids(text: str) -> list[int]:
-    """Whitespace-separated decimal token ids; ValueError names the bad token and position.
-
-    The range (0..2**32-1) is checked by `chunk_keys`, whose error also names
-    the token and its position.
-    """
-    words = text.split()
-    try:
-        return [int(word) for word in words]
-    except ValueError:
-        pass
-    for position, word in enumerate(words):
-        if not _DECIMAL.fullmatch(word):
-            raise ValueError(f"token {word!r} at position {position} is not an integer")
-    raise AssertionError("int() refused a decimal word")  # pragma: no cover
 
 
 def _extra_fields(pairs: list[str]) -> tuple[tuple[str, str], ...]:

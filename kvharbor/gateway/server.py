@@ -39,6 +39,7 @@ from kvharbor.dashboard.hooks import GatewayHooks
 from kvharbor.dashboard.servers import Dashboard
 from kvharbor.gateway import protocol as p
 from kvharbor.gateway.access import AccessPolicy, Peer, peer_of
+from kvharbor.gateway.collectors import StoreCollector
 from kvharbor.gateway.layouts import LayoutRegistry
 from kvharbor.gateway.lifetime import Lifetime
 from kvharbor.gateway.prober import TierProber
@@ -67,7 +68,6 @@ from kvharbor.gateway.wire import FrameReader, PeerClosed, send_message
 from kvharbor.hal.base import CardDevice, CardEventRecord, CardStatus, Device, DeviceError, PersistentDevice
 from kvharbor.hal.extents import round_up
 from kvharbor.hal.shm_ram import SharedRamDevice
-from kvharbor.telemetry.collectors import StoreCollector
 from kvharbor.telemetry.log import OnceLog, get_logger
 from kvharbor.telemetry.metrics import GatewayCounts, GatewayMetrics
 

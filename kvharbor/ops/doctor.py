@@ -39,6 +39,7 @@ from kvharbor.gateway.query import GatewayQuery, NoGateway
 from kvharbor.gateway.status import GatewayStatus, RegisteredLayout
 from kvharbor.hal.base import CapacityUsage
 from kvharbor.ops.disk import locate_on_disk, read_disk
+from kvharbor.ops.token_ids import parse_token_ids
 
 REGISTRATION_LINE = re.compile(r"kvharbor: (\d+) (?:GPU )?cache tensors registered \(rank (\d+)")
 """The worker's line once its KV caches are registered (`kvharbor.connector.vllm.worker`)."""
@@ -145,8 +146,6 @@ def read_token_ids(path: Path) -> list[int]:
                 "list of integers or whitespace-separated integers"
             )
         return ids
-    from kvharbor.cli.keys import parse_token_ids
-
     try:
         return parse_token_ids(stripped)
     except ValueError as err:

@@ -6,7 +6,7 @@ Counters are counted where things happen, through children bound once per label
 set when their owner is built (`TierMetrics` per tier, `RequestMetrics` per message
 type): a hot path pays one ``inc()``, never a label lookup. Gauges that mirror
 state (a tier's usage, its breaker, a card's sensors) are read from the live
-objects at scrape time by `kvharbor.telemetry.collectors`, so none can go stale.
+objects at scrape time by `kvharbor.gateway.collectors`, so none can go stale.
 
 The status a user reads (``kvharbor status``) is read from the same metric objects
 through the typed snapshots here (`TierCounts`, `HitCounts`, `GatewayCounts`):
@@ -510,7 +510,7 @@ class GatewayMetrics:
         self.info.labels(__version__, str(protocol)).set(1)
 
     def watch(self, collector: Collector) -> None:
-        """Read ``collector``'s gauges at every scrape (`kvharbor.telemetry.collectors`)."""
+        """Read ``collector``'s gauges at every scrape (`kvharbor.gateway.collectors`)."""
         self.registry.register(collector)
 
     def served(self, kind: int, seconds: float) -> None:

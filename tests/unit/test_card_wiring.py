@@ -14,8 +14,9 @@ from test_hal_block import loop_device  # noqa: F401 - a fixture
 from test_nvme_card import nvme_printing
 
 from kvharbor.cache.assembly import open_store, open_tier
+from kvharbor.cache.format import HEADER_BYTES
 from kvharbor.cache.keys import LayoutFingerprint
-from kvharbor.config import MIB, CardSection, NvmeTierSection, validate_config
+from kvharbor.config import CARD_REGION_SLACK_BYTES, MIB, CardSection, NvmeTierSection, validate_config
 from kvharbor.hal.base import HealthState
 from kvharbor.hal.block.layout import SUPERBLOCK_BYTES
 from kvharbor.hal.block.store import BlockStoreDevice
@@ -122,6 +123,13 @@ def test_region_mb_must_hold_a_fragment_naming_both_settings() -> None:
     with pytest.raises(ValidationError, match=r"card\.region_mb 2 cannot hold one fragment of card\.fragment_bytes"):
         CardSection(region_mb=2, fragment_bytes=2 * MIB)
     assert CardSection(region_mb=3, fragment_bytes=2 * MIB).region_bytes == 3 * MIB
+
+
+def test_the_region_slack_holds_the_stored_objects_header() -> None:
+    """The config sits below the cache and does not import its format: its slack counts the
+    object header's room (and the region header, the store's object header, their padding:
+    a 4 KiB block each at the most)."""
+    assert CARD_REGION_SLACK_BYTES >= HEADER_BYTES + 3 * 4096
 
 
 def test_drive_health_runs_nvme_cli_once_per_interval(tmp_path: Path) -> None:

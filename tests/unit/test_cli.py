@@ -11,7 +11,7 @@ import pytest
 
 import kvharbor
 from kvharbor.cache.keys import LayoutFingerprint, chunk_keys
-from kvharbor.cli.keys import parse_token_ids
+from kvharbor.ops.token_ids import parse_token_ids
 
 CONSOLE_SCRIPT = Path(sys.executable).parent / "kvharbor"
 

@@ -12,8 +12,8 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import Metric
 
+from kvharbor.gateway.collectors import Reused
 from kvharbor.hal.base import DeviceError
-from kvharbor.telemetry.collectors import Reused
 from kvharbor.telemetry.engine_stats import ENGINE_STATS, Merge
 from tests.support.metrics_docs import Described, documented
 from tests.support.real_gateway import RealGateway

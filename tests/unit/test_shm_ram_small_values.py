@@ -15,12 +15,12 @@ from kvharbor.cache.format import HEADER_BYTES
 from kvharbor.cache.index import Entry, MemoryIndex, OverBudget
 from kvharbor.cache.keys import ChunkKey, LayoutFingerprint
 from kvharbor.cache.tier import Tier
+from kvharbor.gateway.collectors import StoreCollector
 from kvharbor.hal.base import DeviceFull
 from kvharbor.hal.extents import PAGE_BYTES, Extents, round_up
 from kvharbor.hal.shm_ram import SharedRamDevice
 from kvharbor.hal.slabs import SLAB_BYTES, SLOT_ALIGN_BYTES, Slabs, slot_bytes, slot_share
 from kvharbor.ops.status_text import fill_text
-from kvharbor.telemetry.collectors import StoreCollector
 
 FINGERPRINT = LayoutFingerprint(model_id="test/small-values", chunk_size=16).digest()
 SMALL_VALUE_BYTES = 64
