@@ -1,5 +1,5 @@
 # The two commands of the README's quick start, and the checks CI runs.
-.PHONY: setup setup-vllm setup-sglang demo test lint wheel bench
+.PHONY: setup setup-vllm setup-sglang demo test check lint wheel bench
 
 # SGLang pins another torch than vLLM: its tests run in a venv of their own.
 SGLANG_VENV ?= .venv-sglang
@@ -23,6 +23,11 @@ demo: setup-vllm
 test: setup lint wheel
 	KVHARBOR_WHEEL="$$(ls dist/kvharbor-*.whl)" .venv/bin/python -m pytest -q -ra --durations=15
 	$(SGLANG_VENV)/bin/python -m pytest -q -ra --durations=5 tests/sglang
+
+# The inner loop: lint, types and every test that starts no vLLM engine (unit, gateway,
+# scenario); `make test` stays the whole suite, and CI runs that.
+check: lint
+	.venv/bin/python -m pytest -q -m "not e2e" tests/unit tests/gateway tests/scenario
 
 # The wheel of this tree, without its dependencies: pip install 'dist/kvharbor-<version>-py3-none-any.whl[vllm]'.
 wheel:
