@@ -25,9 +25,9 @@ test: setup lint wheel
 	$(SGLANG_VENV)/bin/python -m pytest -q -ra --durations=5 tests/sglang
 
 # The inner loop: lint, types and every test that starts no vLLM engine (unit, gateway,
-# scenario); `make test` stays the whole suite, and CI runs that.
+# scenario), on two workers (pytest-xdist); `make test` stays the whole suite, and CI runs that.
 check: lint
-	.venv/bin/python -m pytest -q -m "not e2e" tests/unit tests/gateway tests/scenario
+	.venv/bin/python -m pytest -q -n 2 -m "not e2e" tests/unit tests/gateway tests/scenario
 
 # The wheel of this tree, without its dependencies: pip install 'dist/kvharbor-<version>-py3-none-any.whl[vllm]'.
 wheel:

@@ -1,8 +1,9 @@
 """pyfakefs for the file tier's fault tests: the vectored calls it makes, and read-only mounts.
 
-pyfakefs fakes ``os.write``, ``os.read`` and ``os.lseek`` but not ``os.writev`` and
-``os.preadv``, which would reach the real kernel with a fake descriptor (EBADF);
-these are written here in terms of the fake's own calls, so that every byte the
+pyfakefs fakes ``os.write``, ``os.read`` and ``os.lseek`` but not ``os.writev``,
+``os.preadv`` and ``os.posix_fadvise``, which would reach the real kernel with a fake
+descriptor (EBADF, or whatever real file has that number: a test worker's pipe answers
+ESPIPE); these are written here in terms of the fake's own calls, so that every byte the
 file tier moves goes through the fake filesystem, with its permissions, its mount
 points' sizes (ENOSPC) and its errors. pyfakefs has no read-only mounts either:
 `FakeDisk.mount_read_only` makes every call that would change a tree answer EROFS,
@@ -76,6 +77,9 @@ def fake_disk() -> Iterator[FakeDisk]:
                     break
             return got
 
+        def posix_fadvise(fd: int, offset: int, length: int, advice: int) -> None:
+            disk.fs.get_open_file(fd)  # EBADF for a descriptor the fake did not open; advice changes no byte.
+
         def refusing(name: str, call: Callable[..., Any]) -> Callable[..., Any]:
             def checked(*args: Any, **kwargs: Any) -> Any:
                 # As the kernel: making a directory that exists is EEXIST, read-only or not.
@@ -94,6 +98,7 @@ def fake_disk() -> Iterator[FakeDisk]:
 
         fake_os.writev = writev
         fake_os.preadv = preadv
+        fake_os.posix_fadvise = posix_fadvise
         fake_os.open = open_
         for name in _CHANGING_CALLS:
             setattr(fake_os, name, refusing(name, getattr(fake_os, name)))
